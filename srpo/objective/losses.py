@@ -1,0 +1,352 @@
+"""Policy losses over a batch of members grouped into events (SRPO.md, "The objective").
+
+Shapes used throughout (one row per member, members of one event may sit anywhere):
+
+    logprobs, old_logprobs, mask, ref_logprobs : (M, T)  current / behaviour / reference log-probs
+                                                          of each completion token; mask 1 on action
+                                                          tokens, 0 on padding and tool text
+    event_index                                : (M,)    long in [0, E), the event of each member
+    advantages                                 : (E,)    one advantage per event
+
+Registered losses (one *update unit* each — the thing that is ratio'd and clipped):
+
+    srpo   the event's set: L_e = c(K_e) Σ_j ℓ_{e,j}, ρ_e = exp(L_e), clipped once per event,
+           averaged over events.
+    grpo   each token: r_t = exp(log q − log q_old), clipped per token, token-mean over the batch.
+    gspo   each member: s_j = exp(mean_t(log q − log q_old)), clipped per member, member-mean.
+
+Every loss divides a *sum* by ``normalizer`` — the global number of update units in the optimizer
+step (events / action tokens / members).  Passing the global count to every micro-batch or rank
+makes the sum of their losses equal the loss of the whole batch, so gradient accumulation and data
+parallelism change nothing.  Left ``None``, the local count is used.
+
+All ratios are computed in log space; a log-ratio beyond ``±max_log_ratio`` is clamped before
+``exp`` so that one wild set cannot overflow to ``inf`` (the clamp is counted in the metrics as
+``overflow_guard``; a clamped value carries no gradient, which for a positive advantage matches
+clipping and for a negative one caps an otherwise exploding step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+SET_REDUCTIONS = ("sqrt", "sum", "mean")
+MEMBER_REDUCTIONS = ("sum", "mean")
+
+#: What each loss ratios, clips and averages over; the global ``normalizer`` counts these.
+UPDATE_UNITS = {"srpo": "event", "grpo": "token", "gspo": "member"}
+
+LossFn = Callable[..., "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
+LOSSES: dict[str, LossFn] = {}
+
+
+def register_loss(name: str) -> Callable[[LossFn], LossFn]:
+    """Register ``fn(batch: MemberBatch, *, clip_low, clip_high, normalizer, kl_coef)`` under ``name``."""
+
+    def decorator(fn: LossFn) -> LossFn:
+        if name in LOSSES:
+            raise ValueError(f"loss {name!r} is already registered")
+        LOSSES[name] = fn
+        return fn
+
+    return decorator
+
+
+def _check_choice(kind: str, value: str, valid) -> None:
+    if value not in valid:
+        raise ValueError(f"unknown {kind} {value!r}; valid: {', '.join(sorted(valid))}")
+
+
+def set_size_scale(set_sizes: torch.Tensor, set_reduction: str, dtype=torch.float32) -> torch.Tensor:
+    """c(K): (E,) factor applied to the summed member log-ratios of each event."""
+    _check_choice("set_reduction", set_reduction, SET_REDUCTIONS)
+    k = set_sizes.clamp(min=1).to(dtype)
+    if set_reduction == "sqrt":
+        return k.rsqrt()
+    if set_reduction == "mean":
+        return k.reciprocal()
+    return torch.ones_like(k)
+
+
+@dataclass
+class MemberBatch:
+    """Quantities every loss needs, computed once from the raw inputs.
+
+    token_log_ratio (M, T) masked log q − log q_old (exactly 0 off the mask)
+    mask            (M, T) bool
+    tokens          (M,)   action-token count of each member
+    event_index     (M,)   long
+    advantages      (E,)   float
+    set_sizes       (E,)   long, members of each event present in this batch
+    set_log_ratio   (E,)   c(K_e) Σ_j ℓ_{e,j} (diagnostic for every loss, the ratio for srpo)
+    member_log_ratio(M,)   ℓ_j with the chosen member reduction
+    ref_kl          (M, T) or None: per-token k3 estimate of KL(q ‖ q_ref), 0 off the mask
+    """
+
+    token_log_ratio: torch.Tensor
+    mask: torch.Tensor
+    tokens: torch.Tensor
+    event_index: torch.Tensor
+    advantages: torch.Tensor
+    set_sizes: torch.Tensor
+    set_log_ratio: torch.Tensor
+    member_log_ratio: torch.Tensor
+    ref_kl: torch.Tensor | None
+    max_log_ratio: float
+
+    @property
+    def present(self) -> torch.Tensor:
+        """(E,) bool: events with at least one member in this batch."""
+        return self.set_sizes > 0
+
+
+def set_log_ratio(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    event_index: torch.Tensor,
+    num_events: int,
+    *,
+    set_reduction: str = "sqrt",
+    member_reduction: str = "sum",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Set log-ratio of every event (SRPO.md steps 1–2).
+
+    Returns ``(L, K)``: L (E,) = c(K_e) Σ_{j∈S_e} ℓ_{e,j}, K (E,) long = members per event.
+    """
+    batch = _prepare(
+        logprobs, old_logprobs, mask, event_index, torch.zeros(num_events, device=logprobs.device),
+        set_reduction, member_reduction, None, float("inf"),
+    )
+    return batch.set_log_ratio, batch.set_sizes
+
+
+def _prepare(
+    logprobs, old_logprobs, mask, event_index, advantages, set_reduction, member_reduction,
+    ref_logprobs, max_log_ratio,
+) -> MemberBatch:
+    _check_choice("set_reduction", set_reduction, SET_REDUCTIONS)
+    _check_choice("member_reduction", member_reduction, MEMBER_REDUCTIONS)
+    if logprobs.dim() != 2 or old_logprobs.shape != logprobs.shape or mask.shape != logprobs.shape:
+        raise ValueError(
+            "logprobs, old_logprobs and mask must share one (M, T) shape; got "
+            f"{tuple(logprobs.shape)}, {tuple(old_logprobs.shape)}, {tuple(mask.shape)}"
+        )
+    if event_index.shape != (logprobs.shape[0],):
+        raise ValueError(f"event_index must be (M,) = ({logprobs.shape[0]},); got {tuple(event_index.shape)}")
+    if advantages.dim() != 1:
+        raise ValueError(f"advantages must be (E,); got {tuple(advantages.shape)}")
+    num_events = advantages.shape[0]
+    if event_index.numel() and (int(event_index.min()) < 0 or int(event_index.max()) >= num_events):
+        raise ValueError(f"event_index values must lie in [0, {num_events})")
+
+    mask = mask.bool()
+    # torch.where (not a product) so NaN/inf at padded positions can never leak into the sum.
+    token_log_ratio = torch.where(mask, logprobs - old_logprobs.to(logprobs.dtype), torch.zeros_like(logprobs))
+    tokens = mask.sum(dim=1)  # (M,)
+    member_log_ratio = token_log_ratio.sum(dim=1)  # (M,)
+    if member_reduction == "mean":
+        member_log_ratio = member_log_ratio / tokens.clamp(min=1)
+    set_sizes = torch.bincount(event_index, minlength=num_events)  # (E,)
+    summed = torch.zeros(num_events, dtype=logprobs.dtype, device=logprobs.device).index_add(
+        0, event_index, member_log_ratio
+    )  # (E,)
+    set_lr = set_size_scale(set_sizes, set_reduction, logprobs.dtype) * summed
+
+    ref_kl = None
+    if ref_logprobs is not None:
+        if ref_logprobs.shape != logprobs.shape:
+            raise ValueError(f"ref_logprobs must be {tuple(logprobs.shape)}; got {tuple(ref_logprobs.shape)}")
+        # k3 estimator of KL(q ‖ q_ref) per sampled token: exp(r − q) − (r − q) − 1 ≥ 0.
+        delta = torch.where(mask, ref_logprobs.to(logprobs.dtype) - logprobs, torch.zeros_like(logprobs))
+        ref_kl = torch.where(mask, torch.exp(delta) - delta - 1, torch.zeros_like(logprobs))
+    return MemberBatch(
+        token_log_ratio=token_log_ratio, mask=mask, tokens=tokens, event_index=event_index,
+        advantages=advantages.to(logprobs.dtype), set_sizes=set_sizes, set_log_ratio=set_lr,
+        member_log_ratio=member_log_ratio, ref_kl=ref_kl, max_log_ratio=max_log_ratio,
+    )
+
+
+def _clipped_surrogate(log_ratio, adv, clip_low, clip_high, max_log_ratio):
+    """PPO-clip per update unit, all shapes equal.
+
+    Returns (loss_per_unit, ratio, clipped_low, clipped_high, guard_fired); the loss is
+    max(−A ρ, −A clip(ρ, 1−ε_low, 1+ε_high)) = −min(ρA, clip(ρ)A).
+    """
+    guard = log_ratio.detach().abs() > max_log_ratio
+    ratio = torch.exp(log_ratio.clamp(-max_log_ratio, max_log_ratio))
+    pg1 = -adv * ratio
+    pg2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(pg1, pg2)
+    r = ratio.detach()
+    clipped_low = (r < 1.0 - clip_low) & (adv < 0)
+    clipped_high = (r > 1.0 + clip_high) & (adv > 0)
+    return loss, ratio, clipped_low, clipped_high, guard
+
+
+def _as_normalizer(normalizer, local_count: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    if normalizer is None:
+        return local_count.clamp(min=1).to(like.dtype)
+    if isinstance(normalizer, torch.Tensor):
+        return normalizer.to(device=like.device, dtype=like.dtype)
+    if normalizer <= 0:
+        raise ValueError(f"normalizer must be positive; got {normalizer}")
+    return torch.tensor(float(normalizer), dtype=like.dtype, device=like.device)
+
+
+def _common_metrics(b: MemberBatch) -> dict[str, torch.Tensor]:
+    present = b.present
+    lr = b.set_log_ratio.detach()[present]
+    ratio = torch.exp(lr.clamp(-b.max_log_ratio, b.max_log_ratio))
+    d = b.token_log_ratio.detach()[b.mask]
+    empty = torch.zeros((), device=lr.device)
+
+    def stats(x, name):
+        if x.numel() == 0:
+            return {f"{name}/mean": empty, f"{name}/min": empty, f"{name}/max": empty}
+        return {f"{name}/mean": x.mean(), f"{name}/min": x.min(), f"{name}/max": x.max()}
+
+    metrics = {
+        **stats(lr, "set_log_ratio"),
+        **stats(ratio, "set_ratio"),
+        # k3 estimate of KL(q_old ‖ q) on the behaviour samples, per action token.
+        "approx_kl": (torch.exp(d) - 1 - d).mean() if d.numel() else empty,
+        "num_events": present.sum(),
+        "num_members": torch.tensor(b.event_index.numel(), device=lr.device),
+        "num_tokens": b.mask.sum(),
+        "mean_set_size": b.set_sizes[present].float().mean() if present.any() else empty,
+    }
+    if b.ref_kl is not None:
+        metrics["ref_kl"] = b.ref_kl.detach()[b.mask].mean() if d.numel() else empty
+    return metrics
+
+
+def _clip_metrics(clipped_low, clipped_high, guard, unit_set_size) -> dict[str, torch.Tensor]:
+    """Clip fractions over the update units, in total and per set size K of the unit's event."""
+    clipped = clipped_low | clipped_high
+    metrics = {
+        "clip_frac": clipped.float().mean() if clipped.numel() else torch.zeros(()),
+        "clip_frac_low": clipped_low.float().mean() if clipped.numel() else torch.zeros(()),
+        "clip_frac_high": clipped_high.float().mean() if clipped.numel() else torch.zeros(()),
+        "overflow_guard": guard.sum(),
+    }
+    for k in torch.unique(unit_set_size).tolist():
+        sel = unit_set_size == k
+        metrics[f"clip_frac/k{k}"] = clipped[sel].float().mean()
+        metrics[f"units/k{k}"] = sel.sum()
+    return metrics
+
+
+@register_loss("srpo")
+def _srpo_loss(b: MemberBatch, *, clip_low, clip_high, normalizer, kl_coef):
+    """Set-level PPO-clip: one ratio, one advantage, one clip per event; mean over events."""
+    present = b.present
+    loss_e, _, lo, hi, guard = _clipped_surrogate(
+        b.set_log_ratio, b.advantages, clip_low, clip_high, b.max_log_ratio
+    )  # (E,)
+    denom = _as_normalizer(normalizer, present.sum(), loss_e)
+    pg_loss = torch.where(present, loss_e, torch.zeros_like(loss_e)).sum() / denom
+    metrics = {**_common_metrics(b), **_clip_metrics(lo[present], hi[present], guard[present], b.set_sizes[present])}
+    loss = pg_loss
+    if b.ref_kl is not None and kl_coef:
+        # Per event: mean over its members of their token-mean KL; summed over events / normaliser.
+        member_kl = b.ref_kl.sum(1) / b.tokens.clamp(min=1)
+        event_kl = torch.zeros_like(loss_e).index_add(0, b.event_index, member_kl) / b.set_sizes.clamp(min=1)
+        kl_loss = event_kl.sum() / denom
+        loss = loss + kl_coef * kl_loss
+        metrics["loss/kl"] = kl_loss.detach()
+    metrics["loss/pg"] = pg_loss.detach()
+    return loss, metrics
+
+
+@register_loss("grpo")
+def _grpo_loss(b: MemberBatch, *, clip_low, clip_high, normalizer, kl_coef):
+    """Token-level PPO-clip; each member takes its event's advantage; mean over action tokens."""
+    adv = b.advantages[b.event_index].unsqueeze(1).expand_as(b.token_log_ratio)  # (M, T)
+    loss_t, _, lo, hi, guard = _clipped_surrogate(b.token_log_ratio, adv, clip_low, clip_high, b.max_log_ratio)
+    denom = _as_normalizer(normalizer, b.mask.sum(), loss_t)
+    zero = torch.zeros_like(loss_t)
+    pg_loss = torch.where(b.mask, loss_t, zero).sum() / denom
+    token_k = b.set_sizes[b.event_index].unsqueeze(1).expand_as(b.mask)
+    metrics = {**_common_metrics(b), **_clip_metrics(lo[b.mask], hi[b.mask], guard[b.mask], token_k[b.mask])}
+    loss = pg_loss
+    if b.ref_kl is not None and kl_coef:
+        kl_loss = b.ref_kl.sum() / denom
+        loss = loss + kl_coef * kl_loss
+        metrics["loss/kl"] = kl_loss.detach()
+    metrics["loss/pg"] = pg_loss.detach()
+    return loss, metrics
+
+
+@register_loss("gspo")
+def _gspo_loss(b: MemberBatch, *, clip_low, clip_high, normalizer, kl_coef):
+    """Sequence-level PPO-clip on the length-normalised ratio of each member; mean over members."""
+    seq_log_ratio = b.token_log_ratio.sum(1) / b.tokens.clamp(min=1)  # (M,)
+    adv = b.advantages[b.event_index]
+    loss_m, _, lo, hi, guard = _clipped_surrogate(seq_log_ratio, adv, clip_low, clip_high, b.max_log_ratio)
+    denom = _as_normalizer(normalizer, torch.tensor(loss_m.numel(), device=loss_m.device), loss_m)
+    pg_loss = loss_m.sum() / denom
+    metrics = {**_common_metrics(b), **_clip_metrics(lo, hi, guard, b.set_sizes[b.event_index])}
+    loss = pg_loss
+    if b.ref_kl is not None and kl_coef:
+        kl_loss = (b.ref_kl.sum(1) / b.tokens.clamp(min=1)).sum() / denom
+        loss = loss + kl_coef * kl_loss
+        metrics["loss/kl"] = kl_loss.detach()
+    metrics["loss/pg"] = pg_loss.detach()
+    return loss, metrics
+
+
+def policy_loss(
+    name: str,
+    *,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    event_index: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    set_reduction: str = "sqrt",
+    member_reduction: str = "sum",
+    normalizer: float | int | torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    max_log_ratio: float = 20.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Compute a registered policy loss and its diagnostics.
+
+    Args:
+        name: a key of :data:`LOSSES` (``srpo``, ``grpo``, ``gspo``).
+        logprobs: (M, T) log q_cur of each completion token (carries the gradient).
+        old_logprobs: (M, T) log q_old, the behaviour policy's log-probs.
+        mask: (M, T) 1 on action tokens, 0 on padding and tool/environment text.
+        event_index: (M,) long in [0, E): the event each member belongs to.
+        advantages: (E,) one advantage per event.
+        clip_eps: ε_low; the ratio is clipped to [1 − ε_low, 1 + ε_high].
+        clip_eps_high: ε_high; defaults to ``clip_eps`` (set it for DAPO-style clip-higher).
+        set_reduction: c(K) of the set log-ratio, ``sqrt`` (1/√K), ``sum`` (1) or ``mean`` (1/K).
+            Used by ``srpo``; the other losses report set statistics with it as diagnostics.
+        member_reduction: ``sum`` of token log-ratios per member, or their ``mean``.
+        normalizer: the global number of update units of the optimizer step (events for srpo,
+            action tokens for grpo, members for gspo). ``None``: the local count.
+        ref_logprobs: (M, T) log-probs of a frozen reference, for a KL penalty (k3 estimator).
+        kl_coef: weight of that penalty.
+        max_log_ratio: overflow guard on every log-ratio before ``exp``.
+
+    Returns:
+        ``(loss, metrics)``: a scalar to minimise, and a dict of detached tensors (set log-ratio
+        and set ratio mean/min/max, clip fractions in total, low, high and per set size
+        ``clip_frac/k{K}``, ``approx_kl``, ``num_events``, ``overflow_guard``, ``loss/pg`` ...).
+    """
+    _check_choice("loss", name, LOSSES)
+    if clip_eps < 0 or (clip_eps_high is not None and clip_eps_high < 0):
+        raise ValueError(f"clip ranges must be non-negative; got clip_eps={clip_eps}, clip_eps_high={clip_eps_high}")
+    batch = _prepare(
+        logprobs, old_logprobs, mask, event_index, advantages, set_reduction, member_reduction,
+        ref_logprobs, max_log_ratio,
+    )
+    clip_high = clip_eps if clip_eps_high is None else clip_eps_high
+    return LOSSES[name](batch, clip_low=clip_eps, clip_high=clip_high, normalizer=normalizer, kl_coef=kl_coef)
