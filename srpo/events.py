@@ -35,6 +35,7 @@ class Member:
     member_index: int = 0
     text: str = ""
     truncated: bool = False
+    temperature: float = 1.0  # the sampling temperature the behaviour log-probs were taken at
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -146,6 +147,7 @@ class EventBatch:
         attention_mask     (M, P + T) long
         action_mask        (M, T) float, 1 on action tokens
         behaviour_logprobs (M, T) float, 0 off the mask
+        temperatures       (M,) float, each member's sampling temperature
         event_index        (M,) long in [0, E)
         advantages         (E,) float (0 where the trainer has not set one)
         rewards            (E,) float
@@ -157,6 +159,7 @@ class EventBatch:
     prompt_length: int
     action_mask: torch.Tensor
     behaviour_logprobs: torch.Tensor
+    temperatures: torch.Tensor
     event_index: torch.Tensor
     advantages: torch.Tensor
     rewards: torch.Tensor
@@ -208,6 +211,7 @@ def collate(events: list[Event], pad_token_id: int) -> EventBatch:
         prompt_length=P,
         action_mask=action_mask,
         behaviour_logprobs=behaviour,
+        temperatures=torch.tensor([m.temperature if m.temperature > 0 else 1.0 for _, m in members]),
         event_index=torch.tensor([e_i for e_i, _ in members], dtype=torch.long),
         advantages=torch.tensor([e.advantage or 0.0 for e in events], dtype=torch.float32),
         rewards=torch.tensor([e.reward or 0.0 for e in events], dtype=torch.float32),

@@ -1,0 +1,267 @@
+"""Which parameters stand behind which role (SRPO.md, "policy").
+
+Three layouts share one interface, :class:`PolicySet`:
+
+``shared``    one model for every role; roles differ only by prompt.  One policy id: ``shared``.
+``lora``      one frozen base model with one PEFT LoRA adapter per policy (a role, or a group of
+              roles).  Sampling for several policies runs in *one* batched call with a per-row
+              ``adapter_names`` (PEFT allows mixed adapters in eval mode); training forwards run
+              per adapter.
+``separate``  one full model per policy.
+
+Every policy has the list of parameters its optimizer updates and a version number that goes up
+with each optimizer step; members record the version they were sampled with.
+
+Models stay in eval mode throughout (no dropout), so the log-probs recomputed for the update
+equal the behaviour log-probs while the weights have not moved; gradients flow in eval mode.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from srpo.policies.logprobs import completion_logprobs
+from srpo.policies.registry import load_model
+from srpo.policies.sampling import Sample, SamplingParams, sample
+
+LAYOUTS = ("shared", "lora", "separate")
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj", "gate_proj")
+
+
+@dataclass
+class GenerationRequest:
+    role: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class PolicySet:
+    """Roles → policies → parameters; batched sampling and teacher-forced log-probs."""
+
+    layout: str
+
+    def __init__(self, tokenizer, role_to_policy: dict[str, str]):
+        self.tokenizer = tokenizer
+        self.role_to_policy = dict(role_to_policy)
+        self.versions = {pid: 0 for pid in self.policy_ids}
+
+    @property
+    def policy_ids(self) -> list[str]:
+        return sorted(set(self.role_to_policy.values()))
+
+    def policy_of(self, role: str) -> str:
+        try:
+            return self.role_to_policy[role]
+        except KeyError:
+            raise KeyError(f"role {role!r} has no policy; roles: {', '.join(sorted(self.role_to_policy))}") from None
+
+    def version(self, policy_id: str) -> int:
+        return self.versions[policy_id]
+
+    def bump_version(self, policy_id: str) -> None:
+        self.versions[policy_id] += 1
+
+    # -- to be provided by each layout ------------------------------------------------------------
+    def parameters(self, policy_id: str) -> list[torch.nn.Parameter]:
+        raise NotImplementedError
+
+    def model_for(self, policy_id: str):
+        """The module whose forward computes ``policy_id`` (adapter activated where needed)."""
+        raise NotImplementedError
+
+    def generate(self, requests: list[GenerationRequest], generator: torch.Generator | None = None) -> list[Sample]:
+        raise NotImplementedError
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        raise NotImplementedError
+
+    def modules(self) -> list[torch.nn.Module]:
+        raise NotImplementedError
+
+    # -- shared behaviour -----------------------------------------------------------------------
+    def logprobs(self, policy_id: str, input_ids, attention_mask, prompt_length, *, action_mask=None,
+                 temperature=1.0, chunk_tokens: int = 1024) -> torch.Tensor:
+        """(m, T) teacher-forced log-probs of completion tokens under ``policy_id`` (with grad)."""
+        return completion_logprobs(
+            self.model_for(policy_id), input_ids, attention_mask, prompt_length,
+            action_mask=action_mask, temperature=temperature, chunk_tokens=chunk_tokens,
+        )
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Trainable tensors of each policy, for exact checkpoints."""
+        return {pid: {f"{i}": p.detach().clone() for i, p in enumerate(self.parameters(pid))} for pid in self.policy_ids}
+
+    def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        for pid in self.policy_ids:
+            params = self.parameters(pid)
+            if pid not in state or len(state[pid]) != len(params):
+                raise ValueError(f"checkpoint does not match policy {pid!r} of this layout")
+            with torch.no_grad():
+                for i, p in enumerate(params):
+                    p.copy_(state[pid][f"{i}"])
+
+
+def _sample_grouped(model, tokenizer, requests, generator, adapter_of=None) -> list[Sample]:
+    return sample(
+        model, tokenizer, [r.prompt_ids for r in requests], [r.params for r in requests], generator=generator,
+        adapter_names=[adapter_of(r.role) for r in requests] if adapter_of else None,
+    )
+
+
+class SharedPolicies(PolicySet):
+    layout = "shared"
+
+    def __init__(self, model, tokenizer, roles: list[str]):
+        super().__init__(tokenizer, {r: "shared" for r in roles})
+        self.model = model.eval()
+
+    def parameters(self, policy_id):
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def model_for(self, policy_id):
+        return self.model
+
+    def modules(self):
+        return [self.model]
+
+    def generate(self, requests, generator=None):
+        return _sample_grouped(self.model, self.tokenizer, requests, generator)
+
+    def save_pretrained(self, folder):
+        self.model.save_pretrained(Path(folder) / "shared")
+        self.tokenizer.save_pretrained(Path(folder) / "shared")
+
+
+class LoraPolicies(PolicySet):
+    layout = "lora"
+
+    def __init__(self, base_model, tokenizer, role_to_policy: dict[str, str], settings: LoraSettings = LoraSettings()):
+        from peft import LoraConfig, get_peft_model
+
+        super().__init__(tokenizer, role_to_policy)
+        present = {n.rsplit(".", 1)[-1] for n, _ in base_model.named_modules()}
+        targets = [t for t in settings.target_modules if t in present]
+        if not targets:
+            raise ValueError(f"none of the LoRA target modules {settings.target_modules} exist in this model")
+        config = LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+                            target_modules=targets, task_type="CAUSAL_LM")
+        first, *rest = self.policy_ids
+        self.model = get_peft_model(base_model, config, adapter_name=first)
+        for pid in rest:
+            self.model.add_adapter(pid, config)
+        self.model.eval()
+        self._params = {
+            pid: [p for n, p in self.model.named_parameters() if f".lora_A.{pid}." in n or f".lora_B.{pid}." in n]
+            for pid in self.policy_ids
+        }
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self._enable_adapter_grads()
+
+    def _enable_adapter_grads(self):
+        # PEFT's set_adapter freezes the inactive adapters; every policy keeps its own optimizer,
+        # so all adapters stay trainable and only the active one takes part in a forward.
+        for params in self._params.values():
+            for p in params:
+                p.requires_grad_(True)
+
+    def parameters(self, policy_id):
+        return self._params[policy_id]
+
+    def model_for(self, policy_id):
+        self.model.set_adapter(policy_id)
+        self._enable_adapter_grads()
+        return self.model
+
+    def modules(self):
+        return [self.model]
+
+    def generate(self, requests, generator=None):
+        self.model.eval()  # mixed-adapter batches are only allowed in eval mode
+        return _sample_grouped(self.model, self.tokenizer, requests, generator, adapter_of=self.policy_of)
+
+    def save_pretrained(self, folder):
+        self.model.save_pretrained(Path(folder) / "adapters")  # one sub-folder per adapter
+        self.tokenizer.save_pretrained(Path(folder) / "adapters")
+
+
+class SeparatePolicies(PolicySet):
+    layout = "separate"
+
+    def __init__(self, models: dict[str, torch.nn.Module], tokenizer, role_to_policy: dict[str, str]):
+        super().__init__(tokenizer, role_to_policy)
+        missing = set(self.policy_ids) - set(models)
+        if missing:
+            raise ValueError(f"no model for policies {sorted(missing)}")
+        self.models = {pid: models[pid].eval() for pid in self.policy_ids}
+
+    def parameters(self, policy_id):
+        return [p for p in self.models[policy_id].parameters() if p.requires_grad]
+
+    def model_for(self, policy_id):
+        return self.models[policy_id]
+
+    def modules(self):
+        return list(self.models.values())
+
+    def generate(self, requests, generator=None):
+        by_policy: dict[str, list[int]] = defaultdict(list)
+        for i, r in enumerate(requests):
+            by_policy[self.policy_of(r.role)].append(i)
+        out: list[Sample | None] = [None] * len(requests)
+        for pid in sorted(by_policy):
+            rows = by_policy[pid]
+            for i, s in zip(rows, _sample_grouped(self.models[pid], self.tokenizer, [requests[i] for i in rows], generator)):
+                out[i] = s
+        return out  # type: ignore[return-value]
+
+    def save_pretrained(self, folder):
+        for pid, model in self.models.items():
+            model.save_pretrained(Path(folder) / pid)
+            self.tokenizer.save_pretrained(Path(folder) / pid)
+
+
+def build_policies(
+    layout: str,
+    model: str,
+    roles: list[str],
+    *,
+    role_groups: dict[str, list[str]] | None = None,
+    lora: LoraSettings = LoraSettings(),
+    dtype: torch.dtype | str = torch.float32,
+    seed: int = 0,
+) -> PolicySet:
+    """Build the policies behind ``roles``.
+
+    ``role_groups`` (``lora`` and ``separate``) maps a policy id to the roles it serves; by
+    default each role has its own policy.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
+    role_to_policy = {r: r for r in roles}
+    if role_groups:
+        role_to_policy = {r: pid for pid, rs in role_groups.items() for r in rs}
+        missing = set(roles) - set(role_to_policy)
+        if missing:
+            raise ValueError(f"roles {sorted(missing)} belong to no group of role_groups")
+    if layout == "shared":
+        base, tok = load_model(model, dtype=dtype, seed=seed)
+        return SharedPolicies(base, tok, roles)
+    if layout == "lora":
+        base, tok = load_model(model, dtype=dtype, seed=seed)
+        return LoraPolicies(base, tok, role_to_policy, lora)
+    models, tok = {}, None
+    for pid in sorted(set(role_to_policy.values())):
+        models[pid], tok = load_model(model, dtype=dtype, seed=seed)
+    return SeparatePolicies(models, tok, role_to_policy)

