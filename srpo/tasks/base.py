@@ -1,0 +1,114 @@
+"""The task record and the row-validating jsonl reader every loader uses."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+log = logging.getLogger(__name__)
+
+KINDS = ("math", "qa")
+
+
+class DatasetError(ValueError):
+    """A dataset file or row is unusable; the message names the file, the row and the field."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """One problem.  ``answers`` holds every accepted gold answer (one for math)."""
+
+    task_id: str
+    question: str
+    answers: tuple[str, ...]
+    kind: str
+    source: str = ""
+    meta: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown task kind {self.kind!r}; valid: {', '.join(KINDS)}")
+
+
+@dataclass
+class LoadReport:
+    """What a loader read: rows kept and rows skipped (with the first reasons)."""
+
+    path: str
+    kept: int = 0
+    skipped: int = 0
+    reasons: list[str] = field(default_factory=list)
+
+
+def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
+    """Yield ``(line_number, row)``; a missing, empty or non-JSON file is a :class:`DatasetError`."""
+    p = Path(path)
+    if not p.is_file():
+        raise DatasetError(f"{p}: no such dataset file")
+    any_row = False
+    with open(p, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DatasetError(f"{p}, line {line_no}: not valid JSON ({err.msg})") from None
+            if not isinstance(row, dict):
+                raise DatasetError(f"{p}, line {line_no}: expected a JSON object, got {type(row).__name__}")
+            any_row = True
+            yield line_no, row
+    if not any_row:
+        raise DatasetError(f"{p}: the file holds no rows")
+
+
+def load_jsonl_rows(
+    path: str | Path,
+    make_task: Callable[[int, dict], Task],
+    *,
+    skip_bad_rows: bool = False,
+    limit: int | None = None,
+) -> tuple[list[Task], LoadReport]:
+    """Read a jsonl file through ``make_task(line_no, row)``.
+
+    ``make_task`` raises ``KeyError``/``ValueError`` naming the missing or bad field; that becomes a
+    :class:`DatasetError` naming file and line, or — with ``skip_bad_rows`` — a counted skip.
+    """
+    tasks: list[Task] = []
+    report = LoadReport(str(path))
+    for line_no, row in read_jsonl(path):
+        try:
+            tasks.append(make_task(line_no, row))
+        except (KeyError, ValueError, TypeError) as err:
+            reason = f"{path}, line {line_no}: {err.args[0] if err.args else err}"
+            if not skip_bad_rows:
+                raise DatasetError(reason) from None
+            report.skipped += 1
+            if len(report.reasons) < 5:
+                report.reasons.append(reason)
+            continue
+        if limit is not None and len(tasks) >= limit:
+            break
+    report.kept = len(tasks)
+    if report.skipped:
+        log.warning("%s: skipped %d bad rows (first: %s)", path, report.skipped, report.reasons[0])
+    if not tasks:
+        raise DatasetError(f"{path}: no usable rows ({report.skipped} skipped)")
+    return tasks, report
+
+
+def require_text(row: dict[str, Any], *fields: str) -> tuple[str, str]:
+    """The first of ``fields`` present in ``row`` as a non-empty string → (field, value)."""
+    for name in fields:
+        value = row.get(name)
+        if value is None:
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = str(value)
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(f"field {name!r} must be a non-empty string")
+        return name, value
+    raise KeyError(f"missing field {' or '.join(repr(f) for f in fields)}")

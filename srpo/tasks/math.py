@@ -1,0 +1,214 @@
+"""Math tasks: loaders (GSM8K-style, MATH-style), answer extraction, grading, synthetic arithmetic.
+
+Grading goes through ``math-verify`` (its own guarded parser with time limits; we never evaluate
+model text as code).  Plain numbers take a fast exact path (``fractions.Fraction``) first, which
+also handles thousands separators, ``$`` and ``%`` without touching sympy.  Inputs are bounded
+before parsing: an answer longer than ``MAX_ANSWER_CHARS`` or nested deeper than
+``MAX_BRACE_DEPTH`` is graded wrong rather than handed to a parser that might take minutes.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+from fractions import Fraction
+from pathlib import Path
+
+from srpo.tasks.base import Task, load_jsonl_rows, require_text
+
+log = logging.getLogger(__name__)
+
+MAX_ANSWER_CHARS = 300
+MAX_BRACE_DEPTH = 12
+MAX_NUMBER_DIGITS = 60
+GRADE_TIMEOUT_S = 2
+
+# ---------------------------------------------------------------------------------- extraction
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), nested braces respected."""
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None
+    i = text.find("{", start)
+    if i < 0:
+        return None
+    depth = 0
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1:j].strip()
+    return None  # unbalanced: no answer
+
+
+_NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?%?|-?\$?\.\d+%?")
+_ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*:?\s*([^\n]+)", re.IGNORECASE)
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer in a model's text: ``\\boxed{}``, then ``#### x``, then "answer is x",
+    then the last number.  ``None`` when there is none."""
+    if not text:
+        return None
+    boxed = last_boxed(text)
+    if boxed:
+        return boxed
+    if "####" in text:
+        tail = text.rsplit("####", 1)[1].strip().splitlines()
+        if tail and tail[0].strip():
+            return tail[0].strip()
+    m = list(_ANSWER_IS.finditer(text))
+    if m:
+        candidate = m[-1].group(1).strip().rstrip(".")
+        nums = _NUMBER.findall(candidate)
+        return nums[0] if nums and len(candidate) > 40 else candidate
+    nums = _NUMBER.findall(text)
+    return nums[-1] if nums else None
+
+
+def gsm8k_gold(solution: str) -> str:
+    """The number after ``####`` in a GSM8K worked solution."""
+    if "####" not in solution:
+        raise ValueError("field 'answer' has no '#### <final answer>' line")
+    return solution.rsplit("####", 1)[1].strip().replace(",", "")
+
+
+# ------------------------------------------------------------------------------------- grading
+
+
+def _as_number(s: str) -> Fraction | None:
+    t = s.strip().strip(".").replace("\\$", "").replace("$", "").replace("\\%", "%").replace("\\!", "").strip()
+    if "," in t:  # only thousands separators (1,234,567); "1,2" is a list, not a number
+        if not re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?%?", t):
+            return None
+        t = t.replace(",", "")
+    # "50%" grades equal to 50, as GSM8K's percent questions expect (the usual grader convention).
+    t = t.rstrip("%").strip()
+    if not re.fullmatch(r"-?\d+(?:\.\d+)?|-?\.\d+", t) or len(t) > MAX_NUMBER_DIGITS:
+        return None
+    return Fraction(t)
+
+
+def _brace_depth(s: str) -> int:
+    depth = best = 0
+    for ch in s:
+        if ch == "{":
+            depth += 1
+            best = max(best, depth)
+        elif ch == "}":
+            depth -= 1
+    return best
+
+
+def answers_equivalent(predicted: str | None, gold: str) -> bool:
+    """Whether an extracted answer equals the gold one (numbers exactly, else via math-verify)."""
+    if predicted is None:
+        return False
+    predicted = predicted.strip()
+    if not predicted or len(predicted) > MAX_ANSWER_CHARS or _brace_depth(predicted) > MAX_BRACE_DEPTH:
+        return False
+    a, b = _as_number(predicted), _as_number(gold)
+    if a is not None and b is not None:
+        return a == b
+    if predicted == gold.strip():
+        return True
+    try:
+        from math_verify import parse, verify
+
+        gold_parsed = parse(f"\\boxed{{{gold}}}", parsing_timeout=GRADE_TIMEOUT_S)
+        pred_parsed = parse(f"\\boxed{{{predicted}}}", parsing_timeout=GRADE_TIMEOUT_S)
+        if not gold_parsed or not pred_parsed:
+            return False
+        return bool(verify(gold_parsed, pred_parsed, timeout_seconds=GRADE_TIMEOUT_S))
+    except Exception as err:  # math-verify guards most of its errors; anything else is "wrong"
+        log.debug("grading failed for %r vs %r: %s", predicted, gold, err)
+        return False
+
+
+def grade_math(text: str, gold: str) -> float:
+    """1.0 when the final answer in ``text`` equals ``gold``, else 0.0."""
+    return 1.0 if answers_equivalent(extract_answer(text), gold) else 0.0
+
+
+# ------------------------------------------------------------------------------------- loaders
+
+
+def load_gsm8k(path: str | Path, *, skip_bad_rows: bool = False, limit: int | None = None):
+    """GSM8K-style jsonl: ``question`` and ``answer`` (worked solution ending ``#### final``)."""
+    name = Path(path).stem
+
+    def make(line_no: int, row: dict) -> Task:
+        _, question = require_text(row, "question")
+        _, solution = require_text(row, "answer")
+        return Task(f"{name}-{line_no}", question, (gsm8k_gold(solution),), "math", name)
+
+    return load_jsonl_rows(path, make, skip_bad_rows=skip_bad_rows, limit=limit)
+
+
+def load_math(path: str | Path, *, skip_bad_rows: bool = False, limit: int | None = None):
+    """MATH-style jsonl: ``problem`` and ``answer`` (a LaTeX string)."""
+    name = Path(path).stem
+
+    def make(line_no: int, row: dict) -> Task:
+        _, problem = require_text(row, "problem", "question")
+        _, answer = require_text(row, "answer")
+        meta = {k: row[k] for k in ("level", "subject", "unique_id") if k in row}
+        return Task(str(row.get("unique_id", f"{name}-{line_no}")), problem, (answer,), "math", name, meta)
+
+    return load_jsonl_rows(path, make, skip_bad_rows=skip_bad_rows, limit=limit)
+
+
+def load_math_file(path: str | Path, **kw):
+    """Pick the loader from the first row's fields (GSM8K's ``####`` solutions or MATH's ``problem``)."""
+    from srpo.tasks.base import read_jsonl
+
+    _, first = next(read_jsonl(path))
+    if "problem" in first or "####" not in str(first.get("answer", "")):
+        return load_math(path, **kw)
+    return load_gsm8k(path, **kw)
+
+
+# --------------------------------------------------------------------------- synthetic arithmetic
+
+LEVELS = {
+    1: "a + b with one- and two-digit numbers",
+    2: "a + b with two-digit numbers",
+    3: "a + b + c or a − b with two-digit numbers",
+    4: "a × b with a one-digit and a two-digit number",
+    5: "(a + b) × c",
+}
+
+
+def synthetic_arithmetic(n: int, *, level: int = 2, seed: int = 0, prefix: str = "arith") -> list[Task]:
+    """``n`` arithmetic problems of a difficulty ``level`` (see :data:`LEVELS`), reproducible by seed."""
+    if level not in LEVELS:
+        raise ValueError(f"unknown arithmetic level {level}; valid: {sorted(LEVELS)}")
+    rng = random.Random(f"{prefix}-{level}-{seed}")
+    tasks = []
+    for i in range(n):
+        if level == 1:
+            a, b = rng.randint(1, 9), rng.randint(10, 99)
+            q, ans = f"What is {a} + {b}?", a + b
+        elif level == 2:
+            a, b = rng.randint(10, 99), rng.randint(10, 99)
+            q, ans = f"What is {a} + {b}?", a + b
+        elif level == 3:
+            a, b, c = (rng.randint(10, 99) for _ in range(3))
+            if rng.random() < 0.5:
+                q, ans = f"What is {a} + {b} + {c}?", a + b + c
+            else:
+                a, b = max(a, b), min(a, b)
+                q, ans = f"What is {a} - {b}?", a - b
+        elif level == 4:
+            a, b = rng.randint(2, 9), rng.randint(10, 99)
+            q, ans = f"What is {a} * {b}?", a * b
+        else:
+            a, b, c = rng.randint(2, 20), rng.randint(2, 20), rng.randint(2, 9)
+            q, ans = f"What is ({a} + {b}) * {c}?", (a + b) * c
+        tasks.append(Task(f"{prefix}-L{level}-s{seed}-{i}", q, (str(ans),), "math", f"{prefix}-L{level}"))
+    return tasks

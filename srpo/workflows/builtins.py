@@ -1,0 +1,280 @@
+"""The built-in workflows (SRPO.md, "Workflows") written against the runtime's interface.
+
+| name               | events and set sizes                                                  |
+|--------------------|-----------------------------------------------------------------------|
+| single             | one answer: K=1                                                       |
+| solver_verifier    | per round: solver K=1, verifier K=1; stop at ACCEPT or after R rounds |
+| parallel_aggregate | N workers together (K=N), then the aggregator (K=1)                   |
+| routed             | router (K=1), the chosen workers (K=chosen), aggregator (K=1)         |
+| search             | per turn one agent step (K=1): <search>q</search> or <answer>a</answer>|
+| search_team        | per turn a verifier (K=1) picks SEARCH or ANSWER; N searchers (K=N);  |
+|                    | an answerer (K=1) answers from the gathered passages                   |
+
+Prompts are defaults per task kind; every role's system prompt, template and sampling can be
+overridden from the config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from srpo.policies.sampling import SamplingParams
+from srpo.tasks.base import Task
+from srpo.tasks.math import extract_answer
+from srpo.tasks.search import Retriever, extract_tagged_answer
+from srpo.workflows.parsing import (
+    parse_decision,
+    parse_router_choice,
+    parse_search_step,
+    search_call_context,
+)
+from srpo.workflows.runtime import EpisodeContext, RoleSpec
+
+MATH_SYSTEM = "Solve the math problem. End with the final answer in the form \\boxed{ANSWER}."
+QA_SYSTEM = "Answer the question with a short phrase inside <answer> and </answer>."
+SEARCH_SYSTEM = (
+    "Answer the question. To look something up, write <search>your query</search> and the results "
+    "will appear between <information> and </information>. You may search several times. When you "
+    "know the answer, write it as <answer>short answer</answer>."
+)
+
+
+def _system(kind: str) -> str:
+    return MATH_SYSTEM if kind == "math" else QA_SYSTEM
+
+
+def _short(text: str, limit: int = 600) -> str:
+    text = (text or "").strip()
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _answer_of(text: str, kind: str) -> str:
+    found = extract_answer(text) if kind == "math" else extract_tagged_answer(text)
+    return found if found is not None else _short(text, 200)
+
+
+@dataclass
+class Workflow:
+    """Base: a workflow names its roles, their default settings, and its ``run``."""
+
+    name = "workflow"
+    kind: str = "math"  # the task kind the default prompts are written for
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+
+    def roles(self) -> list[str]:
+        raise NotImplementedError
+
+    def default_role_specs(self) -> dict[str, RoleSpec]:
+        params = SamplingParams(temperature=self.temperature, max_new_tokens=self.max_new_tokens)
+        return {r: RoleSpec(r, system=_system(self.kind), sampling=params) for r in self.roles()}
+
+    async def run(self, ctx: EpisodeContext, task: Task) -> str:
+        raise NotImplementedError
+
+
+@dataclass
+class Single(Workflow):
+    name = "single"
+
+    def roles(self):
+        return ["solver"]
+
+    async def run(self, ctx, task):
+        return (await ctx.ask("solver", task.question)).text
+
+
+@dataclass
+class SolverVerifier(Workflow):
+    name = "solver_verifier"
+    rounds: int = 2
+
+    def roles(self):
+        return ["solver", "verifier"]
+
+    def default_role_specs(self):
+        specs = super().default_role_specs()
+        specs["verifier"] = replace(specs["verifier"], system=(
+            "Check the proposed solution. If it is correct reply ACCEPT. Otherwise reply REJECT and "
+            "say briefly what is wrong."))
+        return specs
+
+    async def run(self, ctx, task):
+        content, solution = task.question, ""
+        for r in range(self.rounds):
+            solution = (await ctx.ask("solver", content, turn=r)).text
+            verdict = await ctx.ask("verifier", f"Problem: {task.question}\n\nProposed solution:\n{_short(solution)}", turn=r)
+            decision = parse_decision(verdict.text, ("ACCEPT", "REJECT"))
+            if decision is None:
+                ctx.count("verifier_fallbacks")  # unparseable verdict: treated as feedback
+            if decision == "ACCEPT":
+                break
+            content = (f"{task.question}\n\nA previous attempt:\n{_short(solution)}\n\n"
+                       f"Feedback on it:\n{_short(verdict.text, 300)}\n\nSolve it again.")
+        return solution
+
+
+def _aggregator_prompt(task: Task, outputs, kind: str) -> str:
+    lines = [f"Problem: {task.question}", "", "Answers proposed by other solvers:"]
+    for i, o in enumerate(outputs, 1):
+        lines.append(f"({i}) {_answer_of(o.text, kind) if o and not o.failed else '(no answer)'}")
+    lines += ["", "Decide which answer is correct and give it."]
+    return "\n".join(lines)
+
+
+@dataclass
+class ParallelAggregate(Workflow):
+    name = "parallel_aggregate"
+    num_workers: int = 3
+
+    def roles(self):
+        return [f"worker_{i + 1}" for i in range(self.num_workers)] + ["aggregator"]
+
+    async def run(self, ctx, task):
+        outs = await ctx.ask_set([(f"worker_{i + 1}", task.question) for i in range(self.num_workers)],
+                                 event_type="workers")
+        return (await ctx.ask("aggregator", _aggregator_prompt(task, outs, self.kind))).text
+
+
+@dataclass
+class Routed(Workflow):
+    name = "routed"
+    num_workers: int = 3
+    fallback: str = "all"  # what an unparseable router choice means: "all" workers or the "first"
+
+    def roles(self):
+        return ["router"] + [f"worker_{i + 1}" for i in range(self.num_workers)] + ["aggregator"]
+
+    def default_role_specs(self):
+        specs = super().default_role_specs()
+        specs["router"] = replace(specs["router"], system=(
+            f"You assign a problem to solvers numbered 1 to {self.num_workers}. Harder problems need "
+            f"more solvers. Reply only with the line WORKERS: followed by the numbers, e.g. WORKERS: 1, 2."),
+            sampling=replace(specs["router"].sampling, max_new_tokens=min(32, self.max_new_tokens)))
+        return specs
+
+    async def run(self, ctx, task):
+        choice_text = (await ctx.ask("router", task.question)).text
+        chosen = parse_router_choice(choice_text, self.num_workers)
+        if chosen is None:
+            ctx.count("router_fallbacks")
+            chosen = list(range(1, self.num_workers + 1)) if self.fallback == "all" else [1]
+        ctx.info["router_set_size"] = len(chosen)
+        outs = await ctx.ask_set([(f"worker_{i}", task.question) for i in chosen], event_type="workers")
+        return (await ctx.ask("aggregator", _aggregator_prompt(task, outs, self.kind))).text
+
+
+def _format_passages(passages) -> str:
+    return "\n".join(f"[{i + 1}] {p.render()}" for i, p in enumerate(passages)) or "(no results)"
+
+
+@dataclass
+class Search(Workflow):
+    """Search-R1-style multi-turn agent: each turn is one K=1 event; the retrieved text sits in
+    the next turn's prompt (so it is never in an action mask)."""
+
+    name = "search"
+    kind: str = "qa"
+    retriever: Retriever | None = None
+    max_turns: int = 3
+    top_k: int = 3
+    max_new_tokens: int = 96
+
+    def roles(self):
+        return ["searcher"]
+
+    def default_role_specs(self):
+        params = SamplingParams(temperature=self.temperature, max_new_tokens=self.max_new_tokens,
+                                stop=("</search>", "</answer>"))
+        return {"searcher": RoleSpec("searcher", system=SEARCH_SYSTEM, sampling=params)}
+
+    async def run(self, ctx, task):
+        if self.retriever is None:
+            raise ValueError("the search workflow needs a retriever")
+        context = ""
+        text = ""
+        for turn in range(self.max_turns):
+            text = (await ctx.ask("searcher", task.question, prefix=context, event_type="search", turn=turn)).text
+            kind, value = parse_search_step(text)
+            if kind == "answer":
+                return f"<answer>{value}</answer>"
+            if kind == "none" or turn == self.max_turns - 1:
+                break
+            result = await ctx.call_tool("retriever", self.retriever.search, value, self.top_k)
+            info = _format_passages(result.value) if result.ok else f"(search failed: {result.error})"
+            context += f"{search_call_context(text)}\n<information>{info}</information>\n"
+        return text
+
+
+@dataclass
+class SearchTeam(Workflow):
+    """A verifier routes each turn to searching or answering; N searchers query in parallel."""
+
+    name = "search_team"
+    kind: str = "qa"
+    retriever: Retriever | None = None
+    num_searchers: int = 1
+    max_turns: int = 3
+    top_k: int = 3
+    max_new_tokens: int = 64
+
+    def roles(self):
+        return ["verifier"] + [f"searcher_{i + 1}" for i in range(self.num_searchers)] + ["answerer"]
+
+    def default_role_specs(self):
+        base = SamplingParams(temperature=self.temperature, max_new_tokens=self.max_new_tokens)
+        specs = {
+            "verifier": RoleSpec("verifier", system=(
+                "You decide whether the information gathered so far answers the question. Reply SEARCH "
+                "if more information is needed, or ANSWER if it is enough."), sampling=replace(base, max_new_tokens=16)),
+            "answerer": RoleSpec("answerer", system=QA_SYSTEM, sampling=replace(base, stop=("</answer>",))),
+        }
+        for i in range(self.num_searchers):
+            specs[f"searcher_{i + 1}"] = RoleSpec(f"searcher_{i + 1}", system=(
+                "Write one search query that would find information to answer the question, as "
+                "<search>query</search>."), sampling=replace(base, stop=("</search>",)))
+        return specs
+
+    async def run(self, ctx, task):
+        if self.retriever is None:
+            raise ValueError("the search_team workflow needs a retriever")
+        gathered: list = []
+        for turn in range(self.max_turns):
+            info = _format_passages(gathered) if gathered else "(none yet)"
+            state = f"Question: {task.question}\n\nInformation gathered:\n{info}"
+            decision = parse_decision((await ctx.ask("verifier", state, turn=turn)).text, ("SEARCH", "ANSWER"))
+            if decision is None:
+                ctx.count("verifier_fallbacks")  # unparseable: search while nothing is gathered
+                decision = "ANSWER" if gathered else "SEARCH"
+            if decision == "ANSWER":
+                break
+            outs = await ctx.ask_set([(f"searcher_{i + 1}", state) for i in range(self.num_searchers)],
+                                     event_type="searchers", turn=turn)
+            for o in outs:
+                kind, query = parse_search_step(o.text if o else "")
+                if kind != "search":
+                    query = _short(o.text if o else "", 200) or task.question
+                result = await ctx.call_tool("retriever", self.retriever.search, query, self.top_k)
+                if result.ok:
+                    gathered += [p for p in result.value if p not in gathered]
+        info = _format_passages(gathered) if gathered else "(none)"
+        return (await ctx.ask("answerer", f"Question: {task.question}\n\nInformation:\n{info}")).text
+
+
+WORKFLOWS: dict[str, type[Workflow]] = {
+    w.name: w for w in (Single, SolverVerifier, ParallelAggregate, Routed, Search, SearchTeam)
+}
+SEARCH_WORKFLOWS = ("search", "search_team")
+
+
+def build_workflow(name: str, **options: Any) -> Workflow:
+    """A built-in workflow by name with its options (``num_workers``, ``rounds``, ``retriever`` ...)."""
+    if name not in WORKFLOWS:
+        raise ValueError(f"unknown workflow {name!r}; valid: {', '.join(sorted(WORKFLOWS))}")
+    cls = WORKFLOWS[name]
+    valid = set(cls.__dataclass_fields__)
+    unknown = set(options) - valid
+    if unknown:
+        raise ValueError(f"workflow {name!r} has no option {sorted(unknown)}; valid: {', '.join(sorted(valid))}")
+    return cls(**options)

@@ -1,0 +1,311 @@
+"""The workflow runtime: sequential workflow code in, batched generation and recorded events out.
+
+A workflow author writes an ``async def run(ctx, task)`` that reads like a script:
+
+    answers = await ctx.ask_set([("worker_1", q), ("worker_2", q)], event_type="workers")
+    final = await ctx.ask("aggregator", summary_of(answers), event_type="aggregator")
+    return final.text
+
+Every ``ask``/``ask_set`` is one transition: the runtime records an :class:`~srpo.events.Event`
+whose active set is exactly the outputs sampled for it (kept even if nothing reads them later).
+
+Many episodes run concurrently as asyncio tasks.  A generation request does not run at once: it
+waits until *every* live episode is blocked on generation (or finished), and then all pending
+requests — across episodes and roles — go to the policies as one batched call.  Tools run inline
+with a time limit; a failing tool or reward costs only its episode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from srpo.events import Event, Member
+from srpo.policies.layouts import GenerationRequest, PolicySet
+from srpo.policies.sampling import Sample, SamplingParams
+from srpo.tasks.base import Task
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """How one role is prompted and sampled.
+
+    ``template`` formats the user message from the workflow's ``content`` (``{input}``).
+    """
+
+    name: str
+    system: str = ""
+    template: str = "{input}"
+    sampling: SamplingParams = SamplingParams()
+
+
+@dataclass
+class Output:
+    """What a role produced for the workflow to read."""
+
+    role: str
+    text: str
+    finish_reason: str
+    failed: bool = False  # no member was produced (e.g. the prompt was too long)
+
+
+@dataclass
+class ToolResult:
+    ok: bool
+    value: Any = None
+    error: str = ""
+
+
+@dataclass
+class EpisodeResult:
+    episode_id: str
+    task: Task
+    answer: str
+    reward: float
+    events: list[Event]
+    info: dict[str, Any] = field(default_factory=dict)
+    transcript: list[str] = field(default_factory=list)
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(m.completion_ids) for e in self.events for m in e.members)
+
+
+class WorkflowError(RuntimeError):
+    pass
+
+
+class EpisodeContext:
+    """The handle a workflow uses to talk to roles and tools inside one episode."""
+
+    def __init__(self, runtime: "Runtime", episode_id: str, task: Task):
+        self.runtime = runtime
+        self.episode_id = episode_id
+        self.task = task
+        self.events: list[Event] = []
+        self.info: dict[str, Any] = {}
+        self.transcript: list[str] = []
+        self._type_counts: dict[str, int] = {}
+
+    def count(self, key: str, n: int = 1) -> None:
+        """Count something worth reporting (router fallbacks, tool errors, ...)."""
+        self.info[key] = self.info.get(key, 0) + n
+
+    async def ask(self, role: str, content: str, *, event_type: str | None = None, turn: int | None = None,
+                  prefix: str = "") -> Output:
+        """One output from ``role``: a K=1 event."""
+        return (await self.ask_set([(role, content, prefix)], event_type=event_type or role, turn=turn))[0]
+
+    async def ask_set(self, asks: Sequence[tuple[str, str] | tuple[str, str, str]], *, event_type: str,
+                      turn: int | None = None) -> list[Output]:
+        """Outputs of several roles from one shared prior state: one event with K = len(asks).
+
+        Each ask is ``(role, content)`` or ``(role, content, assistant_prefix)``.
+        """
+        if not asks:
+            raise WorkflowError("ask_set needs at least one (role, content)")
+        if turn is None:
+            turn = self._type_counts.get(event_type, 0)
+        self._type_counts[event_type] = self._type_counts.get(event_type, 0) + 1
+        n = len(self.events)
+        event = Event(
+            event_id=f"{self.episode_id}:{n}", episode_id=self.episode_id, task_id=self.task.task_id,
+            prior_state_id=f"{self.episode_id}:s{n}", event_type=event_type, turn=turn, expected_size=len(asks),
+        )
+        self.events.append(event)
+        requests, slots = [], []
+        outputs: list[Output | None] = [None] * len(asks)
+        for j, ask in enumerate(asks):
+            role, content = ask[0], ask[1]
+            prefix = ask[2] if len(ask) > 2 else ""
+            spec = self.runtime.role_spec(role)
+            ids = self.runtime.prompt_ids(spec, content, prefix)
+            if len(ids) > self.runtime.max_prompt_tokens:
+                self.count("prompt_too_long")
+                outputs[j] = Output(role, "", "failed", failed=True)
+                continue
+            requests.append(GenerationRequest(role, ids, spec.sampling))
+            slots.append(j)
+        samples = await self.runtime.generate(requests) if requests else []
+        for j, req, s in zip(slots, requests, samples):
+            policies = self.runtime.policies
+            pid = policies.policy_of(req.role)
+            event.members.append(Member(
+                role=req.role, policy_id=pid, policy_version=policies.version(pid), prompt_ids=req.prompt_ids,
+                completion_ids=s.completion_ids, action_mask=[1] * len(s.completion_ids),
+                behaviour_logprobs=s.logprobs, member_index=j, text=s.text, truncated=s.truncated,
+                temperature=req.params.temperature,
+            ))
+            outputs[j] = Output(req.role, s.text, s.finish_reason)
+            self.transcript.append(f"[{event_type} t{turn}] {req.role}: {s.text}")
+        return outputs  # type: ignore[return-value]
+
+    async def call_tool(self, name: str, fn: Callable[..., Any], *args, **kwargs) -> ToolResult:
+        """Run a tool with the runtime's time limit; an error or timeout is a failed result, counted."""
+        try:
+            future = self.runtime.tool_pool.submit(fn, *args, **kwargs)
+            value = future.result(timeout=self.runtime.tool_timeout_s)
+            return ToolResult(True, value)
+        except concurrent.futures.TimeoutError:
+            self.count("tool_timeouts")
+            self.runtime.record_failure("tool", f"{name} timed out after {self.runtime.tool_timeout_s}s")
+            return ToolResult(False, error=f"{name} timed out")
+        except Exception as err:  # a broken tool costs this call, not the run
+            self.count("tool_errors")
+            self.runtime.record_failure("tool", traceback.format_exc())
+            return ToolResult(False, error=f"{name} failed: {err.__class__.__name__}")
+
+
+RewardFn = Callable[[Task, str], float]
+
+
+class Runtime:
+    """Runs episodes of a workflow concurrently over a :class:`PolicySet`.
+
+    Args:
+        policies: the models behind the roles.
+        roles: prompt and sampling settings per role name.
+        reward_fn: ``(task, final_answer) -> float``; an exception gives ``failure_reward``.
+        generator: seeds sampling.
+        max_batch: most requests per generation call.
+        max_prompt_tokens: longer prompts are not generated (the member is missing, the event invalid).
+        tool_timeout_s: limit per tool call.
+    """
+
+    def __init__(self, policies: PolicySet, roles: dict[str, RoleSpec], reward_fn: RewardFn, *,
+                 generator: torch.Generator | None = None, max_batch: int = 256, max_prompt_tokens: int = 4096,
+                 tool_timeout_s: float = 10.0, failure_reward: float = 0.0):
+        self.policies = policies
+        self.roles = roles
+        self.reward_fn = reward_fn
+        self.generator = generator
+        self.max_batch = max_batch
+        self.max_prompt_tokens = max_prompt_tokens
+        self.tool_timeout_s = tool_timeout_s
+        self.failure_reward = failure_reward
+        self.tool_pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="srpo-tool")
+        self.failures: dict[str, int] = {}
+        self.first_traceback: dict[str, str] = {}
+        self.generate_calls: list[int] = []
+        self._prompt_cache: dict[tuple[str, str, str], list[int]] = {}
+
+    # -- prompts --------------------------------------------------------------------------------
+    def role_spec(self, role: str) -> RoleSpec:
+        try:
+            return self.roles[role]
+        except KeyError:
+            raise WorkflowError(f"no settings for role {role!r}; known roles: {', '.join(sorted(self.roles))}") from None
+
+    def prompt_ids(self, spec: RoleSpec, content: str, prefix: str = "") -> list[int]:
+        key = (spec.name, content, prefix)
+        if key not in self._prompt_cache:
+            tok = self.policies.tokenizer
+            user = spec.template.format(input=content)
+            if getattr(tok, "chat_template", None):
+                messages = ([{"role": "system", "content": spec.system}] if spec.system else []) + [
+                    {"role": "user", "content": user}]
+                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + prefix
+                ids = tok(text, add_special_tokens=False)["input_ids"]
+            else:  # base models: plain text, with the tokenizer's own BOS
+                text = (f"{spec.system}\n\n" if spec.system else "") + f"{user}\n\n" + prefix
+                ids = tok(text, add_special_tokens=True)["input_ids"]
+            if len(self._prompt_cache) > 100_000:
+                self._prompt_cache.clear()
+            self._prompt_cache[key] = ids
+        return self._prompt_cache[key]
+
+    def record_failure(self, kind: str, detail: str) -> None:
+        self.failures[kind] = self.failures.get(kind, 0) + 1
+        if kind not in self.first_traceback:
+            self.first_traceback[kind] = detail
+            log.warning("first %s failure (later ones are only counted):\n%s", kind, detail)
+
+    # -- batching -------------------------------------------------------------------------------
+    async def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in requests]
+        self._pending.extend(zip(requests, futures))
+        self._waiting += 1
+        self._maybe_wake()
+        return list(await asyncio.gather(*futures))
+
+    def _maybe_wake(self) -> None:
+        if self._active == 0 or (self._pending and self._waiting >= self._active):
+            self._wake.set()
+
+    async def _batcher(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self._active == 0 and not self._pending:
+                return
+            pending, self._pending, self._waiting = self._pending, [], 0
+            try:
+                for start in range(0, len(pending), self.max_batch):
+                    chunk = pending[start:start + self.max_batch]
+                    samples = self.policies.generate([r for r, _ in chunk], self.generator)
+                    self.generate_calls.append(len(chunk))
+                    for (_, fut), s in zip(chunk, samples):
+                        fut.set_result(s)
+            except BaseException as err:  # a broken model is fatal for the batch: tell every waiter
+                for _, fut in pending:
+                    if not fut.done():
+                        fut.set_exception(err)
+                if not isinstance(err, Exception):
+                    raise
+
+    async def _episode(self, workflow, episode_id: str, task: Task) -> EpisodeResult:
+        ctx = EpisodeContext(self, episode_id, task)
+        failed = False
+        try:
+            answer = await workflow.run(ctx, task)
+        except Exception:  # a workflow that trips over odd model text costs its episode only
+            answer, failed = "", True
+            ctx.count("workflow_errors")
+            self.record_failure("workflow", traceback.format_exc())
+        finally:
+            self._active -= 1
+            self._maybe_wake()
+        answer = answer if isinstance(answer, str) else ("" if answer is None else str(answer))
+        try:
+            if failed:
+                raise WorkflowError("the workflow raised; see the first workflow failure")
+            reward = float(self.reward_fn(task, answer))
+            if reward != reward:  # NaN
+                raise ValueError("reward function returned NaN")
+        except Exception:
+            reward = self.failure_reward
+            ctx.info["failed"] = True
+            if not failed:
+                ctx.count("reward_errors")
+                self.record_failure("reward", traceback.format_exc())
+        for e in ctx.events:
+            e.reward = reward  # the team return, seen from every event of the episode
+        return EpisodeResult(episode_id, task, answer, reward, ctx.events, ctx.info, ctx.transcript)
+
+    async def _run_all(self, workflow, jobs: Sequence[tuple[str, Task]]) -> list[EpisodeResult]:
+        self._pending: list[tuple[GenerationRequest, asyncio.Future]] = []
+        self._active = len(jobs)
+        self._waiting = 0
+        self._wake = asyncio.Event()
+        batcher = asyncio.create_task(self._batcher())
+        try:
+            return list(await asyncio.gather(*(self._episode(workflow, eid, t) for eid, t in jobs)))
+        finally:
+            self._active = 0
+            self._wake.set()
+            await batcher
+
+    def run(self, workflow, jobs: Sequence[tuple[str, Task]]) -> list[EpisodeResult]:
+        """Run one episode per ``(episode_id, task)``, all concurrently, in the calling thread."""
+        if not jobs:
+            return []
+        return asyncio.run(self._run_all(workflow, jobs))
