@@ -36,6 +36,7 @@ class Member:
     text: str = ""
     truncated: bool = False
     temperature: float = 1.0  # the sampling temperature the behaviour log-probs were taken at
+    old_logprobs: list[float] | None = None  # recomputed q_old before the update (None: behaviour)
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -147,6 +148,7 @@ class EventBatch:
         attention_mask     (M, P + T) long
         action_mask        (M, T) float, 1 on action tokens
         behaviour_logprobs (M, T) float, 0 off the mask
+        old_logprobs       (M, T) float, the recomputed q_old where set, else the behaviour ones
         temperatures       (M,) float, each member's sampling temperature
         event_index        (M,) long in [0, E)
         advantages         (E,) float (0 where the trainer has not set one)
@@ -159,6 +161,7 @@ class EventBatch:
     prompt_length: int
     action_mask: torch.Tensor
     behaviour_logprobs: torch.Tensor
+    old_logprobs: torch.Tensor
     temperatures: torch.Tensor
     event_index: torch.Tensor
     advantages: torch.Tensor
@@ -196,6 +199,7 @@ def collate(events: list[Event], pad_token_id: int) -> EventBatch:
     attention = torch.zeros((M, P + T), dtype=torch.long)
     action_mask = torch.zeros((M, T), dtype=torch.float32)
     behaviour = torch.zeros((M, T), dtype=torch.float32)
+    old = torch.zeros((M, T), dtype=torch.float32)
     for i, (_, m) in enumerate(members):
         p, t = len(m.prompt_ids), len(m.completion_ids)
         input_ids[i, P - p:P] = torch.tensor(m.prompt_ids, dtype=torch.long)
@@ -204,13 +208,17 @@ def collate(events: list[Event], pad_token_id: int) -> EventBatch:
             input_ids[i, P:P + t] = torch.tensor(m.completion_ids, dtype=torch.long)
             action_mask[i, :t] = torch.tensor(m.action_mask, dtype=torch.float32)
             behaviour[i, :t] = torch.tensor(m.behaviour_logprobs, dtype=torch.float32)
+            old[i, :t] = torch.tensor(m.old_logprobs if m.old_logprobs is not None else m.behaviour_logprobs,
+                                      dtype=torch.float32)
     behaviour = behaviour * action_mask
+    old = old * action_mask
     return EventBatch(
         input_ids=input_ids,
         attention_mask=attention,
         prompt_length=P,
         action_mask=action_mask,
         behaviour_logprobs=behaviour,
+        old_logprobs=old,
         temperatures=torch.tensor([m.temperature if m.temperature > 0 else 1.0 for _, m in members]),
         event_index=torch.tensor([e_i for e_i, _ in members], dtype=torch.long),
         advantages=torch.tensor([e.advantage or 0.0 for e in events], dtype=torch.float32),

@@ -18,6 +18,7 @@ equal the behaviour log-probs while the weights have not moved; gradients flow i
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,12 +92,40 @@ class PolicySet:
 
     # -- shared behaviour -----------------------------------------------------------------------
     def logprobs(self, policy_id: str, input_ids, attention_mask, prompt_length, *, action_mask=None,
-                 temperature=1.0, chunk_tokens: int = 1024) -> torch.Tensor:
+                 temperature=1.0, chunk_tokens: int = 1024, return_entropy: bool = False):
         """(m, T) teacher-forced log-probs of completion tokens under ``policy_id`` (with grad)."""
         return completion_logprobs(
             self.model_for(policy_id), input_ids, attention_mask, prompt_length,
             action_mask=action_mask, temperature=temperature, chunk_tokens=chunk_tokens,
+            return_entropy=return_entropy,
         )
+
+    def reference_logprobs(self, policy_id: str, input_ids, attention_mask, prompt_length, *, action_mask=None,
+                           temperature=1.0, chunk_tokens: int = 1024) -> torch.Tensor:
+        """(m, T) log-probs under the frozen reference (the initial weights), no gradient."""
+        with torch.no_grad():
+            return completion_logprobs(
+                self.reference_model(policy_id), input_ids, attention_mask, prompt_length,
+                action_mask=action_mask, temperature=temperature, chunk_tokens=chunk_tokens,
+            )
+
+    def freeze_reference(self) -> None:
+        """Keep a frozen copy of the current weights as the KL reference (call before training)."""
+        self._reference = {}
+        for pid in self.policy_ids:
+            ref = copy.deepcopy(self.model_for(pid)).eval()
+            for p in ref.parameters():
+                p.requires_grad_(False)
+            self._reference[pid] = ref
+
+    def reference_model(self, policy_id: str):
+        if not hasattr(self, "_reference"):
+            raise RuntimeError("no KL reference: call freeze_reference() before training")
+        return self._reference[policy_id]
+
+    def load_pretrained_weights(self, folder: str | Path) -> None:
+        """Load weights written by :meth:`save_pretrained` (exact: float tensors round-trip)."""
+        raise NotImplementedError
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """Trainable tensors of each policy, for exact checkpoints."""
@@ -110,6 +139,28 @@ class PolicySet:
             with torch.no_grad():
                 for i, p in enumerate(params):
                     p.copy_(state[pid][f"{i}"])
+
+
+def _load_full_model(model, folder: Path) -> None:
+    """Load a (possibly sharded) safetensors checkpoint into ``model`` in place; only tied
+    weights (not stored separately) may be missing."""
+    import json
+
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    state = {}
+    for f in files:
+        state.update(load_file(str(folder / f)))
+    result = model.load_state_dict(state, strict=False)
+    tied = {n for n, p in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        tied.add("lm_head.weight")
+    missing = set(result.missing_keys) - tied
+    if missing or result.unexpected_keys:
+        raise ValueError(f"checkpoint {folder} does not match the model: missing {sorted(missing)[:3]}, "
+                         f"unexpected {result.unexpected_keys[:3]}")
 
 
 def _sample_grouped(model, tokenizer, requests, generator, adapter_of=None) -> list[Sample]:
@@ -141,6 +192,9 @@ class SharedPolicies(PolicySet):
     def save_pretrained(self, folder):
         self.model.save_pretrained(Path(folder) / "shared")
         self.tokenizer.save_pretrained(Path(folder) / "shared")
+
+    def load_pretrained_weights(self, folder):
+        _load_full_model(self.model, Path(folder) / "shared")
 
 
 class LoraPolicies(PolicySet):
@@ -195,6 +249,30 @@ class LoraPolicies(PolicySet):
         self.model.save_pretrained(Path(folder) / "adapters")  # one sub-folder per adapter
         self.tokenizer.save_pretrained(Path(folder) / "adapters")
 
+    def load_pretrained_weights(self, folder):
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        for pid in self.policy_ids:
+            sub = Path(folder) / "adapters" / pid
+            file = sub / "adapter_model.safetensors"
+            if not file.is_file():
+                file = Path(folder) / "adapters" / "adapter_model.safetensors"  # PEFT's "default" adapter
+            result = set_peft_model_state_dict(self.model, load_file(str(file)), adapter_name=pid)
+            if getattr(result, "unexpected_keys", None):
+                raise ValueError(f"adapter {pid}: unexpected keys in {file}: {result.unexpected_keys[:3]}")
+        self._enable_adapter_grads()
+
+    def reference_logprobs(self, policy_id, input_ids, attention_mask, prompt_length, *, action_mask=None,
+                           temperature=1.0, chunk_tokens=1024):
+        """The reference of a LoRA policy is the frozen base: the same model with adapters off."""
+        with torch.no_grad(), self.model.disable_adapter():
+            return completion_logprobs(self.model, input_ids, attention_mask, prompt_length,
+                                       action_mask=action_mask, temperature=temperature, chunk_tokens=chunk_tokens)
+
+    def freeze_reference(self):
+        pass  # the base model is frozen already
+
 
 class SeparatePolicies(PolicySet):
     layout = "separate"
@@ -230,6 +308,10 @@ class SeparatePolicies(PolicySet):
         for pid, model in self.models.items():
             model.save_pretrained(Path(folder) / pid)
             self.tokenizer.save_pretrained(Path(folder) / pid)
+
+    def load_pretrained_weights(self, folder):
+        for pid, model in self.models.items():
+            _load_full_model(model, Path(folder) / pid)
 
 
 def build_policies(

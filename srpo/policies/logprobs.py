@@ -24,12 +24,17 @@ def _softcap(model) -> float | None:
 
 
 def _chunk_logprobs(hidden, targets, weight, bias, temperature, softcap):
-    """hidden (N, H), targets (N,), temperature float or (N, 1) → (N,) float32 log q(target)."""
+    """hidden (N, H), targets (N,), temperature float or (N, 1) →
+    (N, 2) float32: log q(target) (with gradient) and the entropy of q (detached)."""
     logits = F.linear(hidden, weight, bias).float()  # (N, V)
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
     logits = logits / temperature
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+    with torch.no_grad():
+        entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return torch.stack([logp, entropy], dim=-1)
 
 
 def _row_temperatures(temperature, select: torch.Tensor) -> torch.Tensor:
@@ -49,7 +54,8 @@ def completion_logprobs(
     action_mask: torch.Tensor | None = None,
     temperature: float | torch.Tensor = 1.0,
     chunk_tokens: int = 1024,
-) -> torch.Tensor:
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the completion tokens under ``model`` (with gradient when enabled).
 
     Args:
@@ -62,9 +68,10 @@ def completion_logprobs(
             ``softmax(logits / temperature)``, the distribution the behaviour log-probs were
             recorded under (rows sampled greedily use 1).
         chunk_tokens: positions per vocabulary-projection chunk.
+        return_entropy: also return the (M, T) entropy of q at each position (detached).
 
     Returns:
-        (M, T) float32 log-probs, 0 off the mask.
+        (M, T) float32 log-probs, 0 off the mask (and the entropies when asked).
     """
     P = prompt_length
     T = input_ids.shape[1] - P
@@ -89,9 +96,12 @@ def completion_logprobs(
             pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
         else:
             pieces.append(_chunk_logprobs(*args))
-    flat = torch.cat(pieces) if pieces else h.new_zeros(0, dtype=torch.float32)
-    out = torch.zeros(select.shape, dtype=torch.float32, device=input_ids.device)
-    return out.masked_scatter(select, flat)
+    flat = torch.cat(pieces) if pieces else h.new_zeros((0, 2), dtype=torch.float32)  # (N, 2)
+    zeros = torch.zeros(select.shape, dtype=torch.float32, device=input_ids.device)
+    logprobs = zeros.masked_scatter(select, flat[:, 0])
+    if return_entropy:
+        return logprobs, zeros.masked_scatter(select, flat[:, 1].detach())
+    return logprobs
 
 
 def completion_logprobs_plain(model, input_ids, attention_mask, prompt_length, *, action_mask=None, temperature=1.0):

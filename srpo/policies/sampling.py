@@ -107,6 +107,7 @@ def sample(
     greedy = temp == 0
     temp = torch.where(greedy, torch.ones_like(temp), temp)
     top_p = torch.tensor([s.top_p for s in params], device=device)
+    use_top_p = bool((top_p < 1).any())
     limits = [s.max_new_tokens for s in params]
     eos = torch.tensor(sorted(eos_token_ids(model, tokenizer)), device=device)
     stop_rows = [i for i, s in enumerate(params) if s.stop]
@@ -127,8 +128,13 @@ def sample(
     for step in range(max(limits)):
         logits = out.logits[:, -1].float() / temp[:, None]  # (B, V)
         logp = torch.log_softmax(logits, dim=-1)
-        probs = _top_p_filter(logp.exp(), top_p)
-        drawn = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        probs = logp.exp()
+        if use_top_p:  # a full sort over the vocabulary: only when some row asks for it
+            probs = _top_p_filter(probs, top_p)
+        # Exponential-race sampling: argmax p_i / E_i with E_i ~ Exp(1) draws i with probability
+        # p_i; one pass over the vocabulary, much cheaper than torch.multinomial here.
+        race = torch.empty_like(probs).exponential_(1.0, generator=generator)
+        drawn = (probs / race).argmax(-1)
         chosen = torch.where(greedy, logits.argmax(-1), drawn)  # (B,)
         chosen_logp = logp.gather(-1, chosen[:, None]).squeeze(-1)
         is_eos = torch.isin(chosen, eos)

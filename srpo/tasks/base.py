@@ -65,21 +65,39 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
         raise DatasetError(f"{p}: the file holds no rows")
 
 
+def read_rows(path: str | Path) -> Iterator[tuple[int, dict]]:
+    """Rows of a ``.jsonl`` (or ``.json`` lines) or ``.parquet`` file, numbered from 1."""
+    p = Path(path)
+    if p.suffix == ".parquet":
+        if not p.is_file():
+            raise DatasetError(f"{p}: no such dataset file")
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DatasetError(f"{p}: reading parquet needs pyarrow (pip install pyarrow)") from None
+        rows = pq.read_table(p).to_pylist()
+        if not rows:
+            raise DatasetError(f"{p}: the file holds no rows")
+        return iter(enumerate(rows, start=1))
+    return read_jsonl(p)
+
+
 def load_jsonl_rows(
     path: str | Path,
     make_task: Callable[[int, dict], Task],
     *,
     skip_bad_rows: bool = False,
     limit: int | None = None,
+    rows: Iterator[tuple[int, dict]] | None = None,
 ) -> tuple[list[Task], LoadReport]:
-    """Read a jsonl file through ``make_task(line_no, row)``.
+    """Read a jsonl/parquet file (or the given ``rows``) through ``make_task(line_no, row)``.
 
     ``make_task`` raises ``KeyError``/``ValueError`` naming the missing or bad field; that becomes a
     :class:`DatasetError` naming file and line, or — with ``skip_bad_rows`` — a counted skip.
     """
     tasks: list[Task] = []
     report = LoadReport(str(path))
-    for line_no, row in read_jsonl(path):
+    for line_no, row in (rows if rows is not None else read_rows(path)):
         try:
             tasks.append(make_task(line_no, row))
         except (KeyError, ValueError, TypeError) as err:

@@ -138,7 +138,7 @@ def grade_math(text: str, gold: str) -> float:
 # ------------------------------------------------------------------------------------- loaders
 
 
-def load_gsm8k(path: str | Path, *, skip_bad_rows: bool = False, limit: int | None = None):
+def load_gsm8k(path: str | Path, *, skip_bad_rows: bool = False, limit: int | None = None, rows=None):
     """GSM8K-style jsonl: ``question`` and ``answer`` (worked solution ending ``#### final``)."""
     name = Path(path).stem
 
@@ -147,10 +147,10 @@ def load_gsm8k(path: str | Path, *, skip_bad_rows: bool = False, limit: int | No
         _, solution = require_text(row, "answer")
         return Task(f"{name}-{line_no}", question, (gsm8k_gold(solution),), "math", name)
 
-    return load_jsonl_rows(path, make, skip_bad_rows=skip_bad_rows, limit=limit)
+    return load_jsonl_rows(path, make, skip_bad_rows=skip_bad_rows, limit=limit, rows=rows)
 
 
-def load_math(path: str | Path, *, skip_bad_rows: bool = False, limit: int | None = None):
+def load_math(path: str | Path, *, skip_bad_rows: bool = False, limit: int | None = None, rows=None):
     """MATH-style jsonl: ``problem`` and ``answer`` (a LaTeX string)."""
     name = Path(path).stem
 
@@ -160,17 +160,18 @@ def load_math(path: str | Path, *, skip_bad_rows: bool = False, limit: int | Non
         meta = {k: row[k] for k in ("level", "subject", "unique_id") if k in row}
         return Task(str(row.get("unique_id", f"{name}-{line_no}")), problem, (answer,), "math", name, meta)
 
-    return load_jsonl_rows(path, make, skip_bad_rows=skip_bad_rows, limit=limit)
+    return load_jsonl_rows(path, make, skip_bad_rows=skip_bad_rows, limit=limit, rows=rows)
 
 
-def load_math_file(path: str | Path, **kw):
+def load_math_file(path: str | Path, *, rows=None, **kw):
     """Pick the loader from the first row's fields (GSM8K's ``####`` solutions or MATH's ``problem``)."""
-    from srpo.tasks.base import read_jsonl
+    from srpo.tasks.base import read_rows
 
-    _, first = next(read_jsonl(path))
+    rows = list(rows if rows is not None else read_rows(path))
+    first = rows[0][1] if rows else {}
     if "problem" in first or "####" not in str(first.get("answer", "")):
-        return load_math(path, **kw)
-    return load_gsm8k(path, **kw)
+        return load_math(path, rows=iter(rows), **kw)
+    return load_gsm8k(path, rows=iter(rows), **kw)
 
 
 # --------------------------------------------------------------------------- synthetic arithmetic

@@ -124,7 +124,7 @@ def grade_qa(text: str, golds: Sequence[str]) -> float:
 # ------------------------------------------------------------------------------------- loaders
 
 
-def load_qa(path: str | Path, *, skip_bad_rows: bool = False, limit: int | None = None):
+def load_qa(path: str | Path, *, skip_bad_rows: bool = False, limit: int | None = None, rows=None):
     """QA jsonl with ``question`` and gold ``answers`` (list) — also ``golden_answers`` (list),
     ``answer`` (str), or IRCoT's ``question_text`` + ``answers_objects[0].spans``."""
     name = Path(path).stem
@@ -138,7 +138,7 @@ def load_qa(path: str | Path, *, skip_bad_rows: bool = False, limit: int | None 
         tid = str(row.get("question_id", row.get("id", row.get("idx", line_no))))
         return Task(f"{name}-{tid}", question, golds, "qa", name, meta)
 
-    return load_jsonl_rows(path, make, skip_bad_rows=skip_bad_rows, limit=limit)
+    return load_jsonl_rows(path, make, skip_bad_rows=skip_bad_rows, limit=limit, rows=rows)
 
 
 def _gold_answers(row: dict) -> tuple[str, ...]:

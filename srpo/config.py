@@ -1,0 +1,378 @@
+"""The run configuration: one dataclass per concern, loaded from YAML and validated up front.
+
+Every field is documented where it is declared.  ``load_config`` rejects unknown keys, wrong
+types and impossible values with a message that names the field (``train.group_size``) and the
+valid values — before any model is loaded.  ``--set key=value`` overrides use the same paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the field and what is valid."""
+
+
+@dataclass
+class RunConfig:
+    output_dir: str = "runs/srpo"
+    """Folder for metrics, TensorBoard logs, checkpoints and the report."""
+    seed: int = 0
+    """Seeds task order, sampling and initialisation."""
+    steps: int = 20
+    """Training steps (one rollout batch each)."""
+    threads: int = 0
+    """torch CPU threads (0: leave torch's default)."""
+    device: str = "cpu"
+    """cpu or cuda."""
+
+
+@dataclass
+class LoraConfig:
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                  "gate_proj", "up_proj", "down_proj"])
+
+
+@dataclass
+class ModelConfig:
+    name: str = "smollm2-135m"
+    """A registered name (smollm2-135m, gemma3-270m, tiny-llama, tiny-qwen2), a local path or a hub id."""
+    layout: str = "shared"
+    """shared (one model, all roles), lora (one adapter per policy), separate (one model per policy)."""
+    dtype: str = "float32"
+    """Parameter dtype: float32, bfloat16 or float16."""
+    autocast_bf16: bool = False
+    """Run matmuls under bfloat16 autocast (float32 weights, optimizer state and log-softmax)."""
+    role_groups: dict[str, list[str]] = field(default_factory=dict)
+    """lora/separate: policy id → roles it serves (default: one policy per role)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
+class RoleOverride:
+    system: str | None = None
+    template: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    max_new_tokens: int | None = None
+    stop: list[str] | None = None
+
+
+@dataclass
+class WorkflowConfig:
+    name: str = "single"
+    """single, solver_verifier, parallel_aggregate, routed, search, search_team."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Workflow options: num_workers, rounds, max_turns, top_k, num_searchers, fallback."""
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    roles: dict[str, RoleOverride] = field(default_factory=dict)
+    """Per-role overrides of system prompt, template and sampling."""
+    max_prompt_tokens: int = 2048
+
+
+@dataclass
+class DataSource:
+    source: str = "synthetic_arithmetic"
+    """synthetic_arithmetic, synthetic_kb, a jsonl/parquet file path, or hub:<dataset id>."""
+    name: str = ""
+    """Display name (default: derived from the source)."""
+    n: int = 1000
+    """synthetic: how many problems; files: at most this many rows (0: all)."""
+    level: int = 2
+    """synthetic_arithmetic difficulty (1-5)."""
+    seed: int = 0
+    """synthetic: generator seed (use another seed for held-out sets)."""
+    split: str = "train"
+    """hub datasets: the split."""
+    skip_bad_rows: bool = False
+    """Skip (and count) rows without a question or answer instead of failing."""
+
+
+@dataclass
+class TaskConfig:
+    kind: str = "math"
+    """math or qa."""
+    train: DataSource = field(default_factory=DataSource)
+    eval: list[DataSource] = field(default_factory=list)
+    corpus: str = ""
+    """Search workflows: a corpus jsonl path, or 'synthetic_kb' (uses the train source's KB)."""
+
+
+@dataclass
+class MethodConfig:
+    name: str = "srpo"
+    """srpo, grpo, gspo, dr_mas, at_grpo."""
+    set_reduction: str = "sqrt"
+    member_reduction: str = "sum"
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    kl_coef: float = 0.0
+    advantage_scale: str = "std"
+    """std or none."""
+
+
+@dataclass
+class TrainConfig:
+    tasks_per_step: int = 2
+    group_size: int = 8
+    """G: episodes per task; advantages compare the events of these episodes."""
+    epochs: int = 1
+    minibatches: int = 1
+    """Optimizer steps per epoch (event-atomic mini-batches)."""
+    microbatches: int = 1
+    """Gradient-accumulation chunks per mini-batch (event-atomic)."""
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    old_logprobs: str = "recompute"
+    """recompute (one no-grad forward before the update) or behaviour (use the sampler's)."""
+    max_nonfinite_steps: int = 3
+    """Stop (with a checkpoint) after this many consecutive steps with NaN/Inf loss or gradients."""
+    chunk_tokens: int = 1024
+    """Positions per vocabulary-projection chunk in the log-prob pass."""
+    rollout_batch: int = 256
+    """Most generation requests per model call."""
+
+
+@dataclass
+class LogConfig:
+    tensorboard: bool = True
+    sample_episodes: int = 2
+    """Episodes per step written in full to samples.jsonl."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 10
+    """Steps between checkpoints (0: only at the end)."""
+    keep: int = 2
+
+
+@dataclass
+class EvalConfig:
+    k: int = 4
+    """Samples per problem (avg@k, pass@k)."""
+    n: int = 50
+    """Problems per eval dataset (0: all)."""
+    temperature: float = 1.0
+    every: int = 0
+    """Evaluate every this many steps during training (0: never)."""
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    method: MethodConfig = field(default_factory=MethodConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ------------------------------------------------------------------------------- building
+
+
+def _build(cls, data: Any, path: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise ConfigError(f"{path + '.' if path else ''}{unknown[0]}: unknown key; valid keys: {', '.join(names)}")
+    kwargs = {k: _convert(hints[k], v, f"{path}.{k}" if path else k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def _convert(tp, value, path):
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _convert(inner, value, path)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        return [_convert(args[0], v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        return {str(k): _convert(args[1], v, f"{path}.{k}") for k, v in value.items()}
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(f"{path}: expected a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def _choice(path, value, valid):
+    if value not in valid:
+        raise ConfigError(f"{path}: {value!r} is not valid; valid: {', '.join(valid)}")
+
+
+def _positive(path, value, allow_zero=False):
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{path}: must be {'≥ 0' if allow_zero else '> 0'}, got {value}")
+
+
+def validate(cfg: Config) -> Config:
+    """Check values and their combinations; raise :class:`ConfigError` naming the field."""
+    from srpo.methods import METHODS
+    from srpo.objective import MEMBER_REDUCTIONS, SET_REDUCTIONS, ADVANTAGE_SCALES
+    from srpo.policies.layouts import LAYOUTS
+    from srpo.workflows.builtins import SEARCH_WORKFLOWS, WORKFLOWS, build_workflow
+
+    _choice("model.layout", cfg.model.layout, LAYOUTS)
+    _choice("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16"))
+    _choice("workflow.name", cfg.workflow.name, sorted(WORKFLOWS))
+    _choice("task.kind", cfg.task.kind, ("math", "qa"))
+    _choice("method.name", cfg.method.name, sorted(METHODS))
+    _choice("method.set_reduction", cfg.method.set_reduction, SET_REDUCTIONS)
+    _choice("method.member_reduction", cfg.method.member_reduction, MEMBER_REDUCTIONS)
+    _choice("method.advantage_scale", cfg.method.advantage_scale, ADVANTAGE_SCALES)
+    _choice("train.old_logprobs", cfg.train.old_logprobs, ("recompute", "behaviour"))
+    _choice("run.device", cfg.run.device.split(":")[0], ("cpu", "cuda"))
+    for path, value in [("run.steps", cfg.run.steps), ("train.tasks_per_step", cfg.train.tasks_per_step),
+                        ("train.group_size", cfg.train.group_size), ("train.epochs", cfg.train.epochs),
+                        ("train.minibatches", cfg.train.minibatches), ("train.microbatches", cfg.train.microbatches),
+                        ("train.lr", cfg.train.lr), ("workflow.max_new_tokens", cfg.workflow.max_new_tokens),
+                        ("eval.k", cfg.eval.k), ("train.chunk_tokens", cfg.train.chunk_tokens),
+                        ("model.lora.r", cfg.model.lora.r)]:
+        _positive(path, value)
+    _positive("method.clip_eps", cfg.method.clip_eps, allow_zero=True)
+    _positive("method.kl_coef", cfg.method.kl_coef, allow_zero=True)
+    _positive("workflow.temperature", cfg.workflow.temperature, allow_zero=True)
+    if cfg.train.group_size < 2:
+        raise ConfigError(f"train.group_size: a group-relative method needs G ≥ 2 episodes per task, got "
+                          f"{cfg.train.group_size}")
+    opts = dict(cfg.workflow.options)
+    for key in ("num_workers", "num_searchers", "rounds", "max_turns", "top_k"):
+        if key in opts and (not isinstance(opts[key], int) or isinstance(opts[key], bool) or opts[key] < 1):
+            raise ConfigError(f"workflow.options.{key}: must be a positive integer, got {opts[key]!r}")
+    if "k" in opts:
+        raise ConfigError("workflow.options.k: set sizes follow from num_workers/num_searchers, not from k")
+    try:
+        workflow = build_workflow(cfg.workflow.name, **opts)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"workflow.options: {err}") from None
+    if cfg.workflow.name in SEARCH_WORKFLOWS and not cfg.task.corpus:
+        raise ConfigError(f"task.corpus: the {cfg.workflow.name} workflow needs a corpus (a jsonl path or synthetic_kb)")
+    roles = set(workflow.roles())
+    for role in cfg.workflow.roles:
+        if role not in roles:
+            raise ConfigError(f"workflow.roles.{role}: no such role in {cfg.workflow.name}; roles: {', '.join(sorted(roles))}")
+    for pid, members in cfg.model.role_groups.items():
+        for role in members:
+            if role not in roles:
+                raise ConfigError(f"model.role_groups.{pid}: no role {role!r} in {cfg.workflow.name}; "
+                                  f"roles: {', '.join(sorted(roles))}")
+    if cfg.model.role_groups:
+        grouped = [r for rs in cfg.model.role_groups.values() for r in rs]
+        missing = roles - set(grouped)
+        if missing:
+            raise ConfigError(f"model.role_groups: roles {sorted(missing)} belong to no group")
+        if len(grouped) != len(set(grouped)):
+            raise ConfigError("model.role_groups: a role appears in two groups")
+    for i, src in enumerate([cfg.task.train, *cfg.task.eval]):
+        path = "task.train" if i == 0 else f"task.eval[{i - 1}]"
+        _check_source(path, src, cfg.task.kind)
+    return cfg
+
+
+def _check_source(path: str, src: DataSource, kind: str) -> None:
+    if src.source == "synthetic_arithmetic":
+        if kind != "math":
+            raise ConfigError(f"{path}.source: synthetic_arithmetic is a math source but task.kind is {kind!r}")
+        if src.level not in range(1, 6):
+            raise ConfigError(f"{path}.level: must be 1-5, got {src.level}")
+        _positive(f"{path}.n", src.n)
+    elif src.source == "synthetic_kb":
+        if kind != "qa":
+            raise ConfigError(f"{path}.source: synthetic_kb is a qa source but task.kind is {kind!r}")
+        _positive(f"{path}.n", src.n)
+    elif src.source.startswith("hub:"):
+        pass
+    else:
+        p = Path(src.source)
+        if not p.is_file():
+            raise ConfigError(f"{path}.source: no such file {src.source!r} (or use synthetic_arithmetic, "
+                              f"synthetic_kb, hub:<id>)")
+        if p.suffix not in (".jsonl", ".json", ".parquet"):
+            raise ConfigError(f"{path}.source: {src.source!r} must be .jsonl or .parquet")
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply ``a.b.c=value`` strings (values parsed as YAML) to a nested dict."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key=value")
+        key, raw = item.split("=", 1)
+        node = data
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {key}: {part} is not a section")
+        node[parts[-1]] = yaml.safe_load(raw)
+    return data
+
+
+def config_from_dict(data: dict) -> Config:
+    return validate(_build(Config, data or {}, ""))
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"no config file at {p}")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{p}: not valid YAML ({err})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of sections")
+    return config_from_dict(apply_overrides(data, overrides or []))

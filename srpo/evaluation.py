@@ -1,0 +1,85 @@
+"""Evaluation: k samples per problem through the workflow; avg@k, pass@k, macro-averages.
+
+Accuracy is the task reward (1 = correct answer; EM for QA).  avg@k is the mean over problems of
+the fraction of the k samples that are correct; pass@k the unbiased estimate with n = k (any of
+the k correct).  Standard errors are over problems.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from srpo.tasks.base import Task
+from srpo.tasks.metrics import avg_at_k, macro_average, pass_at_k
+from srpo.tasks.rewards import task_reward
+from srpo.workflows.runtime import Runtime
+
+
+def evaluate(policies, workflow, role_specs, datasets: dict[str, list[Task]], *, k: int = 4,
+             temperature: float | None = None, seed: int = 1234, max_batch: int = 256,
+             progress: bool = False) -> dict[str, Any]:
+    """Run ``k`` episodes per task of every dataset; return per-dataset and macro metrics."""
+    if temperature is not None:  # the eval temperature replaces every role's training one
+        role_specs = {r: replace(s, sampling=replace(s.sampling, temperature=temperature)) for r, s in role_specs.items()}
+    runtime = Runtime(policies, role_specs, task_reward, generator=torch.Generator().manual_seed(seed),
+                      max_batch=max_batch)
+    results: dict[str, Any] = {"k": k, "datasets": {}}
+    names = list(datasets)
+    iterator = names
+    if progress:
+        from tqdm.auto import tqdm
+
+        iterator = tqdm(names, desc="eval", unit="dataset", dynamic_ncols=True)
+    for name in iterator:
+        tasks = datasets[name]
+        jobs = [(f"eval-{name}-{i}-{j}", t) for i, t in enumerate(tasks) for j in range(k)]
+        with torch.no_grad():
+            episodes = runtime.run(workflow, jobs)
+        per_task = [[episodes[i * k + j].reward for j in range(k)] for i in range(len(tasks))]
+        avgs = [avg_at_k(s) for s in per_task]
+        passes = [pass_at_k(k, sum(1 for r in s if r >= 1.0), k) for s in per_task]
+        tokens = sum(ep.generated_tokens for ep in episodes)
+        correct = sum(1 for ep in episodes if ep.reward >= 1.0)
+        results["datasets"][name] = {
+            "n": len(tasks),
+            f"avg@{k}": float(np.mean(avgs)),
+            f"avg@{k}_stderr": float(np.std(avgs, ddof=1) / math.sqrt(len(avgs))) if len(avgs) > 1 else 0.0,
+            f"pass@{k}": float(np.mean(passes)),
+            f"pass@{k}_stderr": float(np.std(passes, ddof=1) / math.sqrt(len(passes))) if len(passes) > 1 else 0.0,
+            "team_tokens": tokens,
+            "correct_per_million_tokens": 1e6 * correct / max(tokens, 1),
+            "examples": [{"question": episodes[i * k].task.question, "gold": list(episodes[i * k].task.answers),
+                          "answer": episodes[i * k].answer, "reward": episodes[i * k].reward}
+                         for i in range(min(3, len(tasks)))],
+        }
+    ds = results["datasets"]
+    results["macro"] = {f"avg@{k}": macro_average({n: d[f"avg@{k}"] for n, d in ds.items()}),
+                        f"pass@{k}": macro_average({n: d[f"pass@{k}"] for n, d in ds.items()})}
+    return results
+
+
+def markdown_table(results: dict[str, Any], title: str = "") -> str:
+    k = results["k"]
+    lines = [f"### {title}" if title else "", "", f"| dataset | n | avg@{k} | pass@{k} | correct / M team tokens |",
+             "|---|---:|---:|---:|---:|"]
+    for name, d in results["datasets"].items():
+        lines.append(f"| {name} | {d['n']} | {d[f'avg@{k}']:.3f} ± {d[f'avg@{k}_stderr']:.3f} | "
+                     f"{d[f'pass@{k}']:.3f} ± {d[f'pass@{k}_stderr']:.3f} | {d['correct_per_million_tokens']:.0f} |")
+    m = results["macro"]
+    lines.append(f"| **macro** | | {m[f'avg@{k}']:.3f} | {m[f'pass@{k}']:.3f} | |")
+    return "\n".join(lines).strip() + "\n"
+
+
+def write_results(results: dict[str, Any], folder: Path, stem: str, title: str = "") -> tuple[Path, Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    js, md = folder / f"{stem}.json", folder / f"{stem}.md"
+    js.write_text(json.dumps(results, indent=1))
+    md.write_text(markdown_table(results, title))
+    return js, md

@@ -1,0 +1,494 @@
+"""The training loop, top to bottom: rollout → events → advantages → update → log → checkpoint.
+
+One step:
+
+1. take ``tasks_per_step`` tasks (a seeded shuffled order; the position is checkpointed);
+2. run ``group_size`` episodes of the workflow per task, all concurrently, generation batched;
+3. keep complete events (incomplete ones are dropped whole and counted);
+4. advantages per event group as the method defines them (``srpo.methods``);
+5. optionally recompute q_old with one no-grad pass;
+6. ``epochs`` × event-atomic mini-batches, each one optimizer step per policy, its loss divided by
+   the mini-batch's *global* unit count (all ranks), gradients summed across ranks;
+   NaN/Inf in loss or gradients skips the step without touching the weights;
+7. log metrics and sample episodes; checkpoint atomically every ``checkpoint.every`` steps.
+
+Data parallel: launch with ``torchrun``/``accelerate launch``; each rank rolls out its own share
+of the step's tasks, the update sums gradients across ranks (no averaging, the normaliser is
+already global), so the update equals that of one process on the whole batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from srpo.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from srpo.config import Config
+from srpo.data import build_retriever, load_tasks
+from srpo.events import Event, collate, global_normalizer, split_minibatches, validate_events
+from srpo.methods import METHODS, assign_advantages
+from srpo.metrics_log import MetricsLogger
+from srpo.objective import policy_loss
+from srpo.policies.layouts import LoraSettings, PolicySet, build_policies
+from srpo.policies.sampling import SamplingParams
+from srpo.tasks.rewards import task_reward
+from srpo.workflows.builtins import build_workflow
+from srpo.workflows.runtime import EpisodeResult, RoleSpec, Runtime
+
+log = logging.getLogger(__name__)
+
+
+class TrainingStopped(RuntimeError):
+    """Training stopped on purpose (e.g. too many non-finite steps); a checkpoint was written."""
+
+
+class Distributed:
+    """Rank, world size and a gradient sum; a no-op in one process."""
+
+    def __init__(self):
+        self.enabled = torch.distributed.is_available() and torch.distributed.is_initialized()
+        self.rank = torch.distributed.get_rank() if self.enabled else 0
+        self.world = torch.distributed.get_world_size() if self.enabled else 1
+
+    def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.enabled:
+            torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
+        return tensor
+
+    def sum_int(self, value: int) -> int:
+        return int(self.sum_(torch.tensor([value], dtype=torch.long)).item()) if self.enabled else value
+
+
+def role_specs_for(cfg: Config, workflow) -> dict[str, RoleSpec]:
+    """The workflow's default role settings with the config's per-role overrides applied."""
+    specs = workflow.default_role_specs()
+    for role, o in cfg.workflow.roles.items():
+        spec = specs[role]
+        sampling = spec.sampling
+        sampling = SamplingParams(
+            temperature=o.temperature if o.temperature is not None else sampling.temperature,
+            top_p=o.top_p if o.top_p is not None else sampling.top_p,
+            max_new_tokens=o.max_new_tokens if o.max_new_tokens is not None else sampling.max_new_tokens,
+            stop=tuple(o.stop) if o.stop is not None else sampling.stop,
+        )
+        specs[role] = replace(spec, system=o.system if o.system is not None else spec.system,
+                              template=o.template if o.template is not None else spec.template, sampling=sampling)
+    return specs
+
+
+def build_workflow_from_config(cfg: Config, retriever=None):
+    return build_workflow(cfg.workflow.name, kind=cfg.task.kind, max_new_tokens=cfg.workflow.max_new_tokens,
+                          temperature=cfg.workflow.temperature,
+                          **({"retriever": retriever} if retriever is not None else {}), **cfg.workflow.options)
+
+
+def build_policy_set(cfg: Config, roles: list[str]) -> PolicySet:
+    lora = LoraSettings(r=cfg.model.lora.r, alpha=cfg.model.lora.alpha, dropout=cfg.model.lora.dropout,
+                        target_modules=tuple(cfg.model.lora.target_modules))
+    policies = build_policies(cfg.model.layout, cfg.model.name, roles, role_groups=cfg.model.role_groups or None,
+                              lora=lora, dtype=cfg.model.dtype, seed=cfg.run.seed)
+    for module in policies.modules():
+        module.to(cfg.run.device)
+    return policies
+
+
+class Trainer:
+    def __init__(self, cfg: Config, *, policies: PolicySet | None = None, dist: Distributed | None = None,
+                 progress: bool = True, reward_fn=None):
+        self.cfg = cfg
+        self.dist = dist or Distributed()
+        self.progress = progress and self.dist.rank == 0
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+        self.run_dir = Path(cfg.run.output_dir)
+        self.method = METHODS[cfg.method.name]
+        self._seed_everything(cfg.run.seed)
+        self.train_tasks = load_tasks(cfg.task.train, cfg.task.kind)
+        self.retriever = build_retriever(cfg)
+        self.workflow = build_workflow_from_config(cfg, self.retriever)
+        self.role_specs = role_specs_for(cfg, self.workflow)
+        self.policies = policies or build_policy_set(cfg, self.workflow.roles())
+        if cfg.method.kl_coef > 0:
+            self.policies.freeze_reference()
+        t = cfg.train
+        self.optimizers = {
+            pid: torch.optim.AdamW(self.policies.parameters(pid), lr=t.lr, betas=tuple(t.betas),
+                                   weight_decay=t.weight_decay)
+            for pid in self.policies.policy_ids
+        }
+        warm = max(t.warmup_steps, 0)
+        self.schedulers = {
+            pid: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+            for pid, opt in self.optimizers.items()
+        }
+        # Each rank samples differently; the seed offset keeps ranks' rollouts independent.
+        self.rollout_generator = torch.Generator().manual_seed(cfg.run.seed * 1000 + self.dist.rank)
+        self.runtime = Runtime(self.policies, self.role_specs, reward_fn or task_reward, generator=self.rollout_generator,
+                               max_batch=t.rollout_batch, max_prompt_tokens=cfg.workflow.max_prompt_tokens)
+        self.step = 0
+        self.data_epoch = 0
+        self.data_pos = 0
+        self.data_order = self._shuffled_order(0)
+        self.nonfinite_in_a_row = 0
+        self.totals = defaultdict(float)  # running counters (tokens, correct, skipped steps ...)
+        self.logger = MetricsLogger(self.run_dir, cfg.log.tensorboard, enabled=self.dist.rank == 0)
+
+    # ------------------------------------------------------------------------------ data
+    def _seed_everything(self, seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+    def _shuffled_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.train_tasks)))
+        random.Random(f"{self.cfg.run.seed}-{epoch}").shuffle(order)
+        return order
+
+    def next_tasks(self):
+        """This rank's tasks for the step: the global step's tasks, dealt round-robin to ranks."""
+        n = self.cfg.train.tasks_per_step
+        picked = []
+        for _ in range(n):
+            if self.data_pos >= len(self.data_order):
+                self.data_epoch += 1
+                self.data_pos = 0
+                self.data_order = self._shuffled_order(self.data_epoch)
+            picked.append(self.train_tasks[self.data_order[self.data_pos]])
+            self.data_pos += 1
+        return picked[self.dist.rank::self.dist.world]
+
+    # ------------------------------------------------------------------------------ rollout
+    def rollout(self, tasks) -> list[EpisodeResult]:
+        g = self.cfg.train.group_size
+        jobs = [(f"s{self.step}-r{self.dist.rank}-t{i}-g{j}", t) for i, t in enumerate(tasks) for j in range(g)]
+        with torch.no_grad():
+            return self.runtime.run(self.workflow, jobs)
+
+    # ------------------------------------------------------------------------------ update
+    def _batch_logprobs(self, batch, *, grad: bool, entropy: bool = False):
+        """(M, T) log-probs of the batch's completions, each row under its own policy."""
+        M, T = batch.action_mask.shape
+        lp = torch.zeros(M, T, device=batch.input_ids.device)
+        ent = torch.zeros(M, T, device=batch.input_ids.device)
+        autocast = torch.autocast("cpu" if batch.input_ids.device.type == "cpu" else "cuda", dtype=torch.bfloat16,
+                                  enabled=self.cfg.model.autocast_bf16)
+        with torch.set_grad_enabled(grad), autocast:
+            for pid in sorted(set(batch.policy_ids)):
+                rows = batch.rows_of_policy(pid).to(lp.device)
+                out = self.policies.logprobs(
+                    pid, batch.input_ids[rows], batch.attention_mask[rows], batch.prompt_length,
+                    action_mask=batch.action_mask[rows], temperature=batch.temperatures[rows],
+                    chunk_tokens=self.cfg.train.chunk_tokens, return_entropy=entropy)
+                if entropy:
+                    out, e = out
+                    ent = ent.index_put((rows,), e)
+                lp = lp.index_put((rows,), out)  # out of place: keeps the graph of every policy
+        return (lp, ent) if entropy else lp
+
+    def _ref_logprobs(self, batch):
+        M, T = batch.action_mask.shape
+        ref = torch.zeros(M, T, device=batch.input_ids.device)
+        for pid in sorted(set(batch.policy_ids)):
+            rows = batch.rows_of_policy(pid).to(ref.device)
+            ref[rows] = self.policies.reference_logprobs(
+                pid, batch.input_ids[rows], batch.attention_mask[rows], batch.prompt_length,
+                action_mask=batch.action_mask[rows], temperature=batch.temperatures[rows],
+                chunk_tokens=self.cfg.train.chunk_tokens)
+        return ref
+
+    def recompute_old_logprobs(self, events: list[Event]) -> float:
+        """Set each member's q_old with a no-grad pass; return the max |q_old − behaviour| seen."""
+        worst = 0.0
+        device = self.cfg.run.device
+        chunks, _ = split_minibatches(events, max(1, self.cfg.train.microbatches), "srpo")
+        for part in chunks:
+            if not part:
+                continue
+            batch = collate(part, self.policies.tokenizer.pad_token_id).to(device)
+            old = self._batch_logprobs(batch, grad=False).cpu()
+            gap = ((old - batch.behaviour_logprobs.cpu()) * batch.action_mask.cpu()).abs().max().item()
+            worst = max(worst, gap)
+            row = 0
+            for e in part:
+                for m in e.members:
+                    m.old_logprobs = old[row, :len(m.completion_ids)].tolist()
+                    row += 1
+        return worst
+
+    def update(self, events: list[Event]) -> dict[str, Any]:
+        """Optimise on this rank's events (already advantage-assigned); return step metrics.
+
+        Every rank must call it with the same number of mini-batches; an empty one still takes
+        part in the gradient sum.
+        """
+        cfg, t = self.cfg, self.cfg.train
+        loss_name = self.method.loss
+        device = cfg.run.device
+        acc: dict[str, list] = defaultdict(list)
+        role_stats: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        skipped = 0
+        grad_norms: dict[str, float] = {}
+        for epoch in range(t.epochs):
+            minibatches, _ = split_minibatches(events, t.minibatches, loss_name)
+            for mb in minibatches:
+                normalizer = max(self.dist.sum_int(global_normalizer(mb, loss_name)), 1)
+                micro, _ = split_minibatches(mb, t.microbatches, loss_name)
+                total_loss = torch.zeros(())
+                for part in micro:
+                    if not part:
+                        continue
+                    batch = collate(part, self.policies.tokenizer.pad_token_id).to(device)
+                    want_entropy = epoch == 0
+                    lp, ent = self._batch_logprobs(batch, grad=True, entropy=True) if want_entropy else \
+                        (self._batch_logprobs(batch, grad=True), None)
+                    ref = self._ref_logprobs(batch) if cfg.method.kl_coef > 0 else None
+                    loss, metrics = policy_loss(
+                        loss_name, logprobs=lp, old_logprobs=batch.old_logprobs, mask=batch.action_mask,
+                        event_index=batch.event_index, advantages=batch.advantages.to(device),
+                        clip_eps=cfg.method.clip_eps, clip_eps_high=cfg.method.clip_eps_high,
+                        set_reduction=cfg.method.set_reduction, member_reduction=cfg.method.member_reduction,
+                        normalizer=normalizer, ref_logprobs=ref, kl_coef=cfg.method.kl_coef)
+                    loss.backward()
+                    total_loss += loss.detach().cpu()
+                    for k, v in metrics.items():
+                        acc[k].append(float(v))
+                    if want_entropy:
+                        self._role_stats(batch, lp.detach(), ent, ref, role_stats)
+                skipped += self._optimizer_step(total_loss, grad_norms)
+                acc["loss"].append(float(total_loss))
+        out = _reduce_metrics(acc)
+        out.update({f"grad_norm/{pid}": v for pid, v in grad_norms.items()})
+        if grad_norms:
+            out["grad_norm/total"] = math.sqrt(sum(v * v for v in grad_norms.values()))
+        out["nonfinite_skipped"] = skipped
+        for role, s in role_stats.items():
+            n = max(s["tokens"], 1)
+            out[f"role/{role}/entropy"] = s["entropy"] / n
+            out[f"role/{role}/approx_kl"] = s["kl_old"] / n
+            out[f"role/{role}/length"] = s["tokens"] / max(s["members"], 1)
+            if "kl_ref" in s:
+                out[f"role/{role}/ref_kl"] = s["kl_ref"] / n
+        return out
+
+    def _role_stats(self, batch, lp, ent, ref, stats):
+        mask = batch.action_mask.to(lp.device)
+        d = (lp - batch.old_logprobs.to(lp.device)) * mask
+        kl_old = (torch.exp(d) - 1 - d) * mask
+        for i, role in enumerate(batch.roles):
+            s = stats[role]
+            s["tokens"] += float(mask[i].sum())
+            s["members"] += 1
+            s["entropy"] += float((ent[i] * mask[i]).sum())
+            s["kl_old"] += float(kl_old[i].sum())
+            if ref is not None:
+                delta = (ref[i] - lp[i]) * mask[i]
+                s["kl_ref"] += float(((torch.exp(delta) - delta - 1) * mask[i]).sum())
+
+    def _optimizer_step(self, loss: torch.Tensor, grad_norms: dict[str, float]) -> int:
+        """Sum gradients across ranks, check them, clip and step each policy; 1 if skipped."""
+        for pid in self.policies.policy_ids:
+            for p in self.policies.parameters(pid):
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                self.dist.sum_(p.grad)
+        finite = bool(torch.isfinite(loss)) and all(
+            bool(torch.isfinite(p.grad).all()) for pid in self.policies.policy_ids for p in self.policies.parameters(pid))
+        finite = self.dist.sum_int(int(not finite)) == 0
+        if not finite:
+            for opt in self.optimizers.values():
+                opt.zero_grad(set_to_none=True)
+            self.nonfinite_in_a_row += 1
+            self.totals["nonfinite_steps"] += 1
+            log.warning("non-finite loss or gradient: optimizer step skipped (%d in a row)", self.nonfinite_in_a_row)
+            return 1
+        self.nonfinite_in_a_row = 0
+        for pid, opt in self.optimizers.items():
+            params = self.policies.parameters(pid)
+            norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.max_grad_norm if self.cfg.train.max_grad_norm > 0
+                                                  else float("inf"))
+            grad_norms[pid] = float(norm)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            self.policies.bump_version(pid)
+        return 0
+
+    # ------------------------------------------------------------------------------ one step
+    def train_step(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        tasks = self.next_tasks()
+        episodes = self.rollout(tasks)
+        t_rollout = time.perf_counter() - t0
+        events = [e for ep in episodes for e in ep.events]
+        valid, dropped = validate_events(events)
+        loss_events = assign_advantages(valid, self.cfg.method.name, scale=self.cfg.method.advantage_scale)
+        t1 = time.perf_counter()
+        old_gap = None
+        if self.cfg.train.old_logprobs == "recompute" and loss_events:
+            old_gap = self.recompute_old_logprobs(loss_events)
+        metrics = self.update(loss_events)
+        t_update = time.perf_counter() - t1
+        metrics.update(self._episode_metrics(episodes, valid, dropped))
+        if old_gap is not None:
+            metrics["old_vs_behaviour_max_abs"] = old_gap
+        metrics.update({"time/rollout_s": t_rollout, "time/update_s": t_update,
+                        "time/step_s": time.perf_counter() - t0,
+                        "lr": self.schedulers[self.policies.policy_ids[0]].get_last_lr()[0]})
+        for sched in self.schedulers.values():
+            sched.step()
+        self.step += 1
+        self.logger.log(self.step, metrics)
+        self.logger.samples(self.step, [_episode_record(ep) for ep in episodes[: self.cfg.log.sample_episodes]])
+        return metrics
+
+    def _episode_metrics(self, episodes: list[EpisodeResult], valid: list[Event], dropped: int) -> dict[str, Any]:
+        rewards = [ep.reward for ep in episodes]
+        correct = [float(ep.reward >= 1.0) for ep in episodes]
+        tokens = sum(ep.generated_tokens for ep in episodes)
+        n_correct = sum(correct)
+        # Counters are summed over ranks so the log describes the global step.
+        tokens_all, correct_all = self.dist.sum_int(tokens), self.dist.sum_int(int(n_correct))
+        n_all = self.dist.sum_int(len(episodes))
+        reward_sum = float(self.dist.sum_(torch.tensor([sum(rewards)], dtype=torch.float64)).item())
+        self.totals["tokens"] += tokens_all
+        self.totals["correct"] += correct_all
+        self.totals["episodes"] += n_all
+        out = {
+            "reward": reward_sum / max(n_all, 1),
+            "accuracy": correct_all / max(n_all, 1),
+            "episodes": n_all,
+            "team_tokens": tokens_all,
+            "correct_per_million_tokens": 1e6 * correct_all / max(tokens_all, 1),
+            "cum/correct_per_million_tokens": 1e6 * self.totals["correct"] / max(self.totals["tokens"], 1),
+            "events/valid": self.dist.sum_int(len(valid)),
+            "events/invalid": self.dist.sum_int(dropped),
+            "active_set_size/mean": float(np.mean([e.size for e in valid])) if valid else 0.0,
+            "truncated_fraction": float(np.mean([m.truncated for e in valid for m in e.members])) if valid else 0.0,
+        }
+        by_type = defaultdict(list)
+        for e in valid:
+            by_type[e.event_type].append(e.size)
+        for k, sizes in by_type.items():
+            out[f"active_set_size/{k}"] = float(np.mean(sizes))
+        info = defaultdict(float)
+        for ep in episodes:
+            for k, v in ep.info.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    info[k] += v
+                elif isinstance(v, bool):
+                    info[k] += float(v)
+        for k, v in info.items():
+            out[f"episodes/{k}" if k != "router_set_size" else "router_set_size/mean"] = (
+                v / len(episodes) if k == "router_set_size" else v)
+        return out
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def trainer_state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "data": {"epoch": self.data_epoch, "pos": self.data_pos, "order": self.data_order},
+            "optimizers": {pid: o.state_dict() for pid, o in self.optimizers.items()},
+            "schedulers": {pid: s.state_dict() for pid, s in self.schedulers.items()},
+            "versions": dict(self.policies.versions),
+            "rng": rng_state({"rollout": self.rollout_generator}),
+            "totals": dict(self.totals),
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+        }
+
+    def save(self) -> Path | None:
+        if self.dist.rank != 0:
+            return None
+        return save_checkpoint(self.run_dir, self.step, self.policies, self.trainer_state(), self.cfg.to_dict(),
+                               keep=self.cfg.checkpoint.keep)
+
+    def resume(self, path: Path | None = None) -> bool:
+        """Continue from ``path`` or the run's latest checkpoint; False when there is none."""
+        path = path or latest_checkpoint(self.run_dir)
+        if path is None:
+            return False
+        state = load_checkpoint(path, self.policies, self.cfg.to_dict())
+        self.step = state["step"]
+        self.data_epoch, self.data_pos, self.data_order = (state["data"][k] for k in ("epoch", "pos", "order"))
+        for pid, o in self.optimizers.items():
+            o.load_state_dict(state["optimizers"][pid])
+        for pid, s in self.schedulers.items():
+            s.load_state_dict(state["schedulers"][pid])
+        self.policies.versions.update(state["versions"])
+        set_rng_state(state["rng"], {"rollout": self.rollout_generator})
+        self.totals = defaultdict(float, state["totals"])
+        self.nonfinite_in_a_row = state["nonfinite_in_a_row"]
+        self.logger.truncate_after(self.step)
+        log.info("resumed from %s at step %d", path, self.step)
+        return True
+
+    # ------------------------------------------------------------------------------ the loop
+    def fit(self, steps: int | None = None, on_step=None) -> list[dict[str, Any]]:
+        total = steps if steps is not None else self.cfg.run.steps
+        history = []
+        bar = None
+        if self.progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+        try:
+            while self.step < total:
+                metrics = self.train_step()
+                history.append(metrics)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{metrics['reward']:.3f}", acc=f"{metrics['accuracy']:.3f}",
+                                    step_s=f"{metrics['time/step_s']:.1f}", K=f"{metrics['active_set_size/mean']:.2f}")
+                if on_step is not None:
+                    on_step(self, metrics)
+                every = self.cfg.checkpoint.every
+                if every and self.step % every == 0:
+                    self.save()
+                if self.nonfinite_in_a_row >= self.cfg.train.max_nonfinite_steps:
+                    where = self.save()
+                    raise TrainingStopped(
+                        f"{self.nonfinite_in_a_row} consecutive steps had NaN/Inf loss or gradients; stopped at "
+                        f"step {self.step} (checkpoint: {where}). Lower train.lr or check the reward and inputs.")
+            if not self.cfg.checkpoint.every or self.step % self.cfg.checkpoint.every:
+                self.save()
+        finally:
+            if bar is not None:
+                bar.close()
+            self.logger.close()
+        return history
+
+
+def _reduce_metrics(acc: dict[str, list]) -> dict[str, float]:
+    """Mean over micro-batches; counts summed; per-K clip fractions weighted by their unit counts."""
+    out: dict[str, float] = {}
+    for k, vals in acc.items():
+        if k.startswith("clip_frac/k") or k.startswith("units/k"):
+            continue
+        if k in ("num_events", "num_members", "num_tokens", "overflow_guard"):
+            out[f"objective/{k}"] = float(sum(vals))
+        elif k.endswith("/min"):
+            out[f"objective/{k}"] = float(min(vals))
+        elif k.endswith("/max"):
+            out[f"objective/{k}"] = float(max(vals))
+        else:
+            out[k if k == "loss" else f"objective/{k}"] = float(np.mean(vals))
+    sizes = sorted({int(k.removeprefix("units/k")) for k in acc if k.startswith("units/k")})
+    for size in sizes:
+        units = acc[f"units/k{size}"]
+        fracs = acc[f"clip_frac/k{size}"]
+        total = sum(units)
+        out[f"clip_frac/k{size}"] = sum(f * u for f, u in zip(fracs, units)) / total if total else 0.0
+    return out
+
+
+def _episode_record(ep: EpisodeResult) -> dict[str, Any]:
+    return {"episode": ep.episode_id, "task": ep.task.task_id, "question": ep.task.question,
+            "gold": list(ep.task.answers), "answer": ep.answer, "reward": ep.reward,
+            "set_sizes": [e.size for e in ep.events], "transcript": ep.transcript, "info": ep.info}
