@@ -1,1 +1,211 @@
-def main(): pass
+"""The ``srpo`` command: train, eval, demo, report, models.  No training logic lives here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+
+def _train(args) -> int:
+    from srpo.config import load_config
+    from srpo.trainer import Trainer, TrainingStopped
+
+    cfg = load_config(args.config, args.set)
+    _maybe_init_distributed()
+    trainer = Trainer(cfg)
+    if args.resume:
+        if not trainer.resume():
+            print(f"no checkpoint in {cfg.run.output_dir}; starting from step 0", file=sys.stderr)
+    try:
+        trainer.fit()
+    except TrainingStopped as err:
+        print(f"training stopped: {err}", file=sys.stderr)
+        return 3
+    if trainer.dist.rank == 0:
+        print(f"done: {trainer.step} steps; metrics in {Path(cfg.run.output_dir) / 'metrics.jsonl'}")
+    return 0
+
+
+def _maybe_init_distributed() -> None:
+    """Under torchrun/accelerate launch (WORLD_SIZE > 1) start the process group via accelerate."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from accelerate import Accelerator
+
+        Accelerator(cpu=not __import__("torch").cuda.is_available())
+
+
+def _parse_data(specs: list[str], kind: str):
+    """FILE, hub:ID, synthetic_arithmetic:level=2:n=100:seed=7 or synthetic_kb:n=50:seed=3."""
+    from srpo.config import DataSource
+
+    sources = []
+    for spec in [s for item in specs for s in item.split(",") if s]:
+        name, *params = spec.split(":") if spec.startswith("synthetic_") else (spec,)
+        src = DataSource(source=name)
+        for p in params:
+            key, _, value = p.partition("=")
+            if key not in ("level", "n", "seed"):
+                raise SystemExit(f"--data {spec}: unknown parameter {key!r}; valid: level, n, seed")
+            setattr(src, key, int(value))
+        if not name.startswith("synthetic_"):
+            src.n = 0
+        sources.append(src)
+    return sources
+
+
+def _eval(args) -> int:
+    import torch
+
+    from srpo.checkpoint import CONFIG_FILE
+    from srpo.config import config_from_dict
+    from srpo.data import build_retriever, load_tasks, source_name
+    from srpo.evaluation import evaluate, markdown_table, write_results
+    from srpo.trainer import build_policy_set, build_workflow_from_config, role_specs_for
+
+    kind = args.kind or ("qa" if args.workflow in ("search", "search_team") else "math")
+    sources = _parse_data(args.data, kind)
+    model_path = Path(args.model)
+    checkpoint = model_path if (model_path / CONFIG_FILE).is_file() else None
+    if checkpoint is None and (model_path / "latest").is_file():
+        checkpoint = model_path / (model_path / "latest").read_text().strip()
+    if checkpoint is not None:  # a training checkpoint: rebuild its layout and load its weights
+        data = json.loads((checkpoint / CONFIG_FILE).read_text())
+        data["task"]["eval"] = []
+    else:
+        data = {"model": {"name": args.model, "layout": "shared"}}
+    data.setdefault("workflow", {})
+    if args.workflow:
+        data["workflow"]["name"] = args.workflow
+        data["workflow"]["options"] = json.loads(args.options) if args.options else {}
+    data.setdefault("task", {})
+    data["task"]["kind"] = kind
+    data["task"]["train"] = {"source": "synthetic_arithmetic" if kind == "math" else "synthetic_kb", "n": 1}
+    data["task"]["eval"] = [s.__dict__ for s in sources]
+    if args.corpus:
+        data["task"]["corpus"] = args.corpus
+    if args.max_new_tokens:
+        data["workflow"]["max_new_tokens"] = args.max_new_tokens
+    cfg = config_from_dict(data)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    workflow = build_workflow_from_config(cfg, build_retriever(cfg))
+    policies = build_policy_set(cfg, workflow.roles())
+    if checkpoint is not None:
+        policies.load_pretrained_weights(checkpoint / "model")
+    datasets = {source_name(s): load_tasks(s, kind)[: args.n or None] for s in cfg.task.eval}
+    results = evaluate(policies, workflow, role_specs_for(cfg, workflow), datasets, k=args.k,
+                       temperature=args.temperature, seed=args.seed, progress=True)
+    print(markdown_table(results, f"{args.model} — {cfg.workflow.name}"))
+    if args.out:
+        js, md = write_results(results, Path(args.out), "eval", f"{args.model} — {cfg.workflow.name}")
+        print(f"written: {js}, {md}")
+    return 0
+
+
+def _demo(args) -> int:
+    from srpo.demo import run_demo
+
+    run_demo(args.output_dir, args.steps)
+    return 0
+
+
+def _report(args) -> int:
+    from srpo.report import write_summary
+
+    path = write_summary(Path(args.run_dir))
+    print(f"report: {path}")
+    return 0
+
+
+def _models(args) -> int:
+    from srpo.policies import registry
+
+    if args.action == "list":
+        for name in registry.registered_names():
+            where = registry.cache_root() / name
+            state = "converted" if (where / registry.COMPLETE_MARKER).is_file() else (
+                "built on the fly" if name in registry.TINY_MODELS else "not converted yet")
+            print(f"{name:15s} {state}")
+        return 0
+    if not args.name or args.name not in registry.GGUF_MODELS:
+        raise SystemExit(f"srpo models {args.action} needs one of: {', '.join(registry.GGUF_MODELS)}")
+    if args.action == "prepare":
+        path = registry.converted_checkpoint(args.name, force=args.force)
+        print(f"{args.name}: {path}")
+    else:
+        registry.verify_cache(args.name)
+        print(f"{args.name}: cache verified")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="srpo", description="Setwise Relative Policy Optimization for multi-agent LLMs")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train a workflow from a YAML config")
+    p.add_argument("--config", required=True, help="YAML config (see configs/)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    p.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    p.set_defaults(func=_train)
+
+    p = sub.add_parser("eval", help="avg@k / pass@k of a model or checkpoint in a workflow")
+    p.add_argument("--model", required=True, help="registered name, HF path/id, or a run's checkpoint folder")
+    p.add_argument("--workflow", default="single")
+    p.add_argument("--options", default="", help='workflow options as JSON, e.g. \'{"num_workers": 3}\'')
+    p.add_argument("--data", action="append", required=True,
+                   help="FILE[,FILE...], hub:ID, synthetic_arithmetic:level=2:n=100:seed=7, synthetic_kb:n=50")
+    p.add_argument("--kind", choices=["math", "qa"], default=None)
+    p.add_argument("--corpus", default="", help="search workflows: corpus jsonl or synthetic_kb")
+    p.add_argument("-k", type=int, default=16, help="samples per problem")
+    p.add_argument("--n", type=int, default=0, help="problems per dataset (0: all)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--out", default="", help="folder for eval.json and eval.md")
+    p.set_defaults(func=_eval)
+
+    p = sub.add_parser("demo", help="SRPO on the embedded SmolLM2-135M: eval, train, eval, report")
+    p.add_argument("--output-dir", default=None)
+    p.add_argument("--steps", type=int, default=None)
+    p.set_defaults(func=_demo)
+
+    p = sub.add_parser("report", help="plots and a summary page for a run folder")
+    p.add_argument("run_dir")
+    p.set_defaults(func=_report)
+
+    p = sub.add_parser("models", help="list, prepare (convert once) or verify the embedded models")
+    p.add_argument("action", choices=["list", "prepare", "verify"])
+    p.add_argument("name", nargs="?")
+    p.add_argument("--force", action="store_true")
+    p.set_defaults(func=_models)
+
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    for noisy in ("bm25s", "transformers", "peft"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    from srpo.config import ConfigError
+    from srpo.checkpoint import CheckpointError
+    from srpo.policies import ModelLoadError
+    from srpo.tasks import DatasetError
+
+    try:
+        return args.func(args)
+    except (ConfigError, CheckpointError, ModelLoadError, DatasetError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -90,7 +90,7 @@ class DataSource:
     n: int = 1000
     """synthetic: how many problems; files: at most this many rows (0: all)."""
     level: int = 2
-    """synthetic_arithmetic difficulty (1-5)."""
+    """synthetic_arithmetic difficulty (0-5, see srpo.tasks.math.LEVELS)."""
     seed: int = 0
     """synthetic: generator seed (use another seed for held-out sets)."""
     split: str = "train"
@@ -132,6 +132,8 @@ class TrainConfig:
     """Optimizer steps per epoch (event-atomic mini-batches)."""
     microbatches: int = 1
     """Gradient-accumulation chunks per mini-batch (event-atomic)."""
+    optimizer: str = "adamw"
+    """adamw or sgd (plain SGD makes update-equality tests exact)."""
     lr: float = 1e-5
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -273,6 +275,7 @@ def validate(cfg: Config) -> Config:
     _choice("method.member_reduction", cfg.method.member_reduction, MEMBER_REDUCTIONS)
     _choice("method.advantage_scale", cfg.method.advantage_scale, ADVANTAGE_SCALES)
     _choice("train.old_logprobs", cfg.train.old_logprobs, ("recompute", "behaviour"))
+    _choice("train.optimizer", cfg.train.optimizer, ("adamw", "sgd"))
     _choice("run.device", cfg.run.device.split(":")[0], ("cpu", "cuda"))
     for path, value in [("run.steps", cfg.run.steps), ("train.tasks_per_step", cfg.train.tasks_per_step),
                         ("train.group_size", cfg.train.group_size), ("train.epochs", cfg.train.epochs),
@@ -325,8 +328,8 @@ def _check_source(path: str, src: DataSource, kind: str) -> None:
     if src.source == "synthetic_arithmetic":
         if kind != "math":
             raise ConfigError(f"{path}.source: synthetic_arithmetic is a math source but task.kind is {kind!r}")
-        if src.level not in range(1, 6):
-            raise ConfigError(f"{path}.level: must be 1-5, got {src.level}")
+        if src.level not in range(0, 6):
+            raise ConfigError(f"{path}.level: must be 0-5, got {src.level}")
         _positive(f"{path}.n", src.n)
     elif src.source == "synthetic_kb":
         if kind != "qa":
@@ -363,16 +366,32 @@ def config_from_dict(data: dict) -> Config:
     return validate(_build(Config, data or {}, ""))
 
 
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
+    """A YAML config as a dict; ``include: other.yaml`` (relative to the file) is merged underneath."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"no config file at {p}")
+    if p.resolve() in _seen:
+        raise ConfigError(f"{p}: include cycle")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{p}: not valid YAML ({err})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping of sections")
+    include = data.pop("include", None)
+    if include:
+        data = _deep_merge(read_yaml(p.parent / include, _seen + (p.resolve(),)), data)
+    return data
+
+
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    data: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"no config file at {p}")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{p}: not valid YAML ({err})") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{p}: the top level must be a mapping of sections")
+    data = read_yaml(path) if path is not None else {}
     return config_from_dict(apply_overrides(data, overrides or []))

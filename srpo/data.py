@@ -33,7 +33,7 @@ def load_tasks(src: DataSource, kind: str) -> list[Task]:
     """The tasks of one data source (validated; bad rows fail or are skipped and counted)."""
     limit = src.n or None
     if src.source == "synthetic_arithmetic":
-        return synthetic_arithmetic(src.n, level=src.level, seed=src.seed, prefix=source_name(src))
+        return synthetic_arithmetic(src.n, level=src.level, seed=src.seed, prefix="arith")
     if src.source == "synthetic_kb":
         return synthetic_kb(src.n, seed=src.seed)[1]
     rows = _hub_rows(src) if src.source.startswith("hub:") else None

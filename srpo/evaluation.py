@@ -31,17 +31,22 @@ def evaluate(policies, workflow, role_specs, datasets: dict[str, list[Task]], *,
     runtime = Runtime(policies, role_specs, task_reward, generator=torch.Generator().manual_seed(seed),
                       max_batch=max_batch)
     results: dict[str, Any] = {"k": k, "datasets": {}}
-    names = list(datasets)
-    iterator = names
+    bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        iterator = tqdm(names, desc="eval", unit="dataset", dynamic_ncols=True)
-    for name in iterator:
-        tasks = datasets[name]
+        bar = tqdm(total=sum(len(t) for t in datasets.values()) * k, desc="eval", unit="episode", dynamic_ncols=True)
+    for name, tasks in datasets.items():
         jobs = [(f"eval-{name}-{i}-{j}", t) for i, t in enumerate(tasks) for j in range(k)]
+        episodes = []
+        # Episodes run in chunks of about one generation batch so the progress bar moves.
+        chunk = max(k, (max_batch // k) * k)
         with torch.no_grad():
-            episodes = runtime.run(workflow, jobs)
+            for start in range(0, len(jobs), chunk):
+                episodes += runtime.run(workflow, jobs[start:start + chunk])
+                if bar is not None:
+                    bar.update(len(jobs[start:start + chunk]))
+                    bar.set_postfix(dataset=name, acc=f"{sum(e.reward >= 1.0 for e in episodes) / len(episodes):.3f}")
         per_task = [[episodes[i * k + j].reward for j in range(k)] for i in range(len(tasks))]
         avgs = [avg_at_k(s) for s in per_task]
         passes = [pass_at_k(k, sum(1 for r in s if r >= 1.0), k) for s in per_task]
@@ -59,6 +64,8 @@ def evaluate(policies, workflow, role_specs, datasets: dict[str, list[Task]], *,
                           "answer": episodes[i * k].answer, "reward": episodes[i * k].reward}
                          for i in range(min(3, len(tasks)))],
         }
+    if bar is not None:
+        bar.close()
     ds = results["datasets"]
     results["macro"] = {f"avg@{k}": macro_average({n: d[f"avg@{k}"] for n, d in ds.items()}),
                         f"pass@{k}": macro_average({n: d[f"pass@{k}"] for n, d in ds.items()})}

@@ -120,11 +120,7 @@ class Trainer:
         if cfg.method.kl_coef > 0:
             self.policies.freeze_reference()
         t = cfg.train
-        self.optimizers = {
-            pid: torch.optim.AdamW(self.policies.parameters(pid), lr=t.lr, betas=tuple(t.betas),
-                                   weight_decay=t.weight_decay)
-            for pid in self.policies.policy_ids
-        }
+        self.optimizers = {pid: self._make_optimizer(self.policies.parameters(pid)) for pid in self.policies.policy_ids}
         warm = max(t.warmup_steps, 0)
         self.schedulers = {
             pid: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
@@ -141,6 +137,12 @@ class Trainer:
         self.nonfinite_in_a_row = 0
         self.totals = defaultdict(float)  # running counters (tokens, correct, skipped steps ...)
         self.logger = MetricsLogger(self.run_dir, cfg.log.tensorboard, enabled=self.dist.rank == 0)
+
+    def _make_optimizer(self, params):
+        t = self.cfg.train
+        if t.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=t.lr, weight_decay=t.weight_decay)
+        return torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
 
     # ------------------------------------------------------------------------------ data
     def _seed_everything(self, seed: int) -> None:
@@ -167,10 +169,15 @@ class Trainer:
         return picked[self.dist.rank::self.dist.world]
 
     # ------------------------------------------------------------------------------ rollout
+    def autocast(self):
+        """bfloat16 autocast for the model's matmuls when configured (weights stay float32)."""
+        device_type = "cuda" if self.cfg.run.device.startswith("cuda") else "cpu"
+        return torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.cfg.model.autocast_bf16)
+
     def rollout(self, tasks) -> list[EpisodeResult]:
         g = self.cfg.train.group_size
         jobs = [(f"s{self.step}-r{self.dist.rank}-t{i}-g{j}", t) for i, t in enumerate(tasks) for j in range(g)]
-        with torch.no_grad():
+        with torch.no_grad(), self.autocast():
             return self.runtime.run(self.workflow, jobs)
 
     # ------------------------------------------------------------------------------ update
@@ -179,9 +186,7 @@ class Trainer:
         M, T = batch.action_mask.shape
         lp = torch.zeros(M, T, device=batch.input_ids.device)
         ent = torch.zeros(M, T, device=batch.input_ids.device)
-        autocast = torch.autocast("cpu" if batch.input_ids.device.type == "cpu" else "cuda", dtype=torch.bfloat16,
-                                  enabled=self.cfg.model.autocast_bf16)
-        with torch.set_grad_enabled(grad), autocast:
+        with torch.set_grad_enabled(grad), self.autocast():
             for pid in sorted(set(batch.policy_ids)):
                 rows = batch.rows_of_policy(pid).to(lp.device)
                 out = self.policies.logprobs(

@@ -193,6 +193,36 @@ def test_chunked_logprobs_equal_plain(model_name):
         assert torch.allclose(ga[n], gb[n], atol=1e-5, rtol=1e-4), n
 
 
+@pytest.mark.parametrize("model_name", ["tiny-llama", "tiny-qwen2"])
+def test_shared_prompt_pass_equals_plain(model_name):
+    """Rows with the same (left-padded) prompt share one prompt pass; values and gradients match."""
+    model, tok = load_model(model_name)
+    g = torch.Generator().manual_seed(1)
+    P, T = 7, 6
+    prompts = [torch.randint(0, 250, (n,), generator=g) for n in (7, 4)]
+    rows, attn = [], []
+    for prompt, repeats in zip(prompts, (3, 2)):
+        for _ in range(repeats):
+            completion = torch.randint(0, 250, (T,), generator=g)
+            pad = P - len(prompt)
+            rows.append(torch.cat([torch.zeros(pad, dtype=torch.long), prompt, completion]))
+            attn.append(torch.cat([torch.zeros(pad), torch.ones(len(prompt) + T)]).long())
+    ids, attn = torch.stack(rows), torch.stack(attn)
+    attn[1, -2:] = 0  # one completion shorter than the others
+    mask = attn[:, P:].float()
+    weights = torch.linspace(-1, 1, ids.shape[0] * T).view(-1, T)
+    results = []
+    for share in (True, False):
+        model.zero_grad()
+        lp = completion_logprobs(model, ids, attn, P, action_mask=mask, temperature=0.8, share_prompts=share)
+        (lp * weights).sum().backward()
+        results.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (a, ga), (b, gb) = results
+    assert torch.allclose(a, b, atol=1e-5)
+    for n in ga:
+        assert torch.allclose(ga[n], gb[n], atol=1e-5, rtol=1e-4), n
+
+
 def test_local_path_loads(tmp_path):
     model, tok = load_model("tiny-qwen2")
     model.save_pretrained(tmp_path / "m")

@@ -9,6 +9,8 @@ one chunk of logits is alive at a time, in the forward *and* the backward pass.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -37,6 +39,46 @@ def _chunk_logprobs(hidden, targets, weight, bias, temperature, softcap):
     return torch.stack([logp, entropy], dim=-1)
 
 
+def _cache_keyword(module) -> str:
+    """transformers 5 names the KV-cache argument ``cache``; 4.x named it ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
+def _prediction_states(model, input_ids, attention_mask, P: int, share_prompts: bool) -> torch.Tensor:
+    """(M, T, H): the hidden state that predicts each completion token (column P + t is
+    predicted from column P + t − 1)."""
+    backbone = model.get_decoder()
+    T = input_ids.shape[1] - P
+    positions = position_ids_from_mask(attention_mask)
+    if share_prompts and T > 0:
+        prompts = input_ids[:, :P] * attention_mask[:, :P] - (1 - attention_mask[:, :P])  # padding → −1
+        unique, inverse = torch.unique(prompts, dim=0, return_inverse=True)
+        if unique.shape[0] < input_ids.shape[0]:
+            from transformers import DynamicCache
+
+            rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+            first = torch.full((unique.shape[0],), input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+            first = first.scatter_reduce(0, inverse, rows, reduce="amin")  # one row holding each prompt
+            cache_kw = _cache_keyword(backbone)
+            cache = _new_cache(DynamicCache, model)
+            prompt_out = backbone(input_ids=input_ids[first, :P], attention_mask=attention_mask[first, :P],
+                                  position_ids=positions[first, :P], use_cache=True, **{cache_kw: cache})
+            last_prompt_state = prompt_out.last_hidden_state[:, -1][inverse]  # (M, H)
+            cache.batch_select_indices(inverse)  # differentiable indexing: gradients reach the prompt pass
+            completion_out = backbone(input_ids=input_ids[:, P:], attention_mask=attention_mask,
+                                      position_ids=positions[:, P:], use_cache=True, **{cache_kw: cache})
+            return torch.cat([last_prompt_state[:, None], completion_out.last_hidden_state[:, :-1]], dim=1)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).last_hidden_state
+    return hidden[:, P - 1:P + T - 1]
+
+
+def _new_cache(cache_cls, model):
+    try:
+        return cache_cls(config=model.config)
+    except TypeError:  # older transformers
+        return cache_cls()
+
+
 def _row_temperatures(temperature, select: torch.Tensor) -> torch.Tensor:
     """Broadcast a float or (M,) temperature to the (N, 1) selected positions."""
     t = torch.as_tensor(temperature, dtype=torch.float32, device=select.device)
@@ -55,6 +97,7 @@ def completion_logprobs(
     temperature: float | torch.Tensor = 1.0,
     chunk_tokens: int = 1024,
     return_entropy: bool = False,
+    share_prompts: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the completion tokens under ``model`` (with gradient when enabled).
 
@@ -69,6 +112,9 @@ def completion_logprobs(
             recorded under (rows sampled greedily use 1).
         chunk_tokens: positions per vocabulary-projection chunk.
         return_entropy: also return the (M, T) entropy of q at each position (detached).
+        share_prompts: run each distinct prompt through the model once and continue every
+            completion from its prompt's KV cache (the G samples of a task, and the members of
+            one event, usually share a prompt).  Same values and gradients as the plain pass.
 
     Returns:
         (M, T) float32 log-probs, 0 off the mask (and the entropies when asked).
@@ -78,13 +124,9 @@ def completion_logprobs(
     if action_mask is None:
         action_mask = attention_mask[:, P:]
     select = action_mask.bool()  # (M, T)
-    backbone = model.get_decoder()
     head = model.get_output_embeddings()
-    hidden = backbone(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
-    ).last_hidden_state  # (M, P + T, H)
-    # The token at column P + t is predicted from the hidden state at column P + t − 1.
-    h = hidden[:, P - 1:P + T - 1][select]  # (N, H)
+    states = _prediction_states(model, input_ids, attention_mask, P, share_prompts)  # (M, T, H)
+    h = states[select]  # (N, H)
     targets = input_ids[:, P:][select]  # (N,)
     softcap = _softcap(model)
     temps = _row_temperatures(temperature, select)  # (N, 1)

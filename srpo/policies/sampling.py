@@ -118,8 +118,19 @@ def sample(
 
     cache_kw = _cache_keyword(model)
     cache = DynamicCache()
-    out = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn),
-                use_cache=True, logits_to_keep=1, **{cache_kw: cache}, **extra)
+    # Prefill each distinct (prompt, adapter) once: the G samples of a task, and workers that
+    # share a prompt, repeat it.  The KV cache and last logits are then expanded to every row.
+    first_of: dict[tuple, int] = {}
+    expand = [first_of.setdefault((tuple(p), adapter_names[i] if adapter_names else None), len(first_of))
+              for i, p in enumerate(prompts)]
+    unique_rows = torch.tensor([expand.index(u) for u in range(len(first_of))], device=device)
+    pre_extra = {"adapter_names": [adapter_names[i] for i in unique_rows.tolist()]} if adapter_names is not None else {}
+    pre_attn = attn[unique_rows]
+    out = model(input_ids=ids[unique_rows], attention_mask=pre_attn, position_ids=position_ids_from_mask(pre_attn),
+                use_cache=True, logits_to_keep=1, **{cache_kw: cache}, **pre_extra)
+    if len(first_of) < B:
+        cache.batch_select_indices(torch.tensor(expand, device=device))
+        out.logits = out.logits[torch.tensor(expand, device=device)]
     next_pos = attn.sum(-1)  # (B,) position of the first new token
     tokens: list[list[int]] = [[] for _ in range(B)]
     logps: list[list[float]] = [[] for _ in range(B)]

@@ -177,6 +177,7 @@ def load_math_file(path: str | Path, *, rows=None, **kw):
 # --------------------------------------------------------------------------- synthetic arithmetic
 
 LEVELS = {
+    0: "a + b with one-digit numbers",
     1: "a + b with one- and two-digit numbers",
     2: "a + b with two-digit numbers",
     3: "a + b + c or a − b with two-digit numbers",
@@ -192,7 +193,10 @@ def synthetic_arithmetic(n: int, *, level: int = 2, seed: int = 0, prefix: str =
     rng = random.Random(f"{prefix}-{level}-{seed}")
     tasks = []
     for i in range(n):
-        if level == 1:
+        if level == 0:
+            a, b = rng.randint(1, 9), rng.randint(1, 9)
+            q, ans = f"What is {a} + {b}?", a + b
+        elif level == 1:
             a, b = rng.randint(1, 9), rng.randint(10, 99)
             q, ans = f"What is {a} + {b}?", a + b
         elif level == 2:

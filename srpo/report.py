@@ -1,0 +1,110 @@
+"""``srpo report RUN_DIR``: PNG plots and a one-page summary of a training run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from srpo.metrics_log import read_metrics
+
+
+def _series(rows, key):
+    xs = [r["step"] for r in rows if isinstance(r.get(key), (int, float))]
+    ys = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+    return xs, ys
+
+
+def _smooth(ys, window=5):
+    out = []
+    for i in range(len(ys)):
+        chunk = ys[max(0, i - window + 1):i + 1]
+        out.append(sum(chunk) / len(chunk))
+    return out
+
+
+def make_plots(run_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    if not rows:
+        raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (is this a run folder?)")
+    out_dir = Path(run_dir) / "report"
+    out_dir.mkdir(exist_ok=True)
+    keys = set().union(*rows)
+    panels = [
+        ("reward_accuracy.png", "Reward and accuracy (training episodes)", ["reward", "accuracy"], True),
+        ("clip_fraction_by_set_size.png", "Clip fraction by set size K",
+         sorted(k for k in keys if k.startswith("clip_frac/k")), True),
+        ("grad_norm.png", "Gradient norm (before clipping)", sorted(k for k in keys if k.startswith("grad_norm/")), False),
+        ("active_set_size.png", "Mean active-set size",
+         sorted(k for k in keys if k.startswith("active_set_size/") or k == "router_set_size/mean"), False),
+        ("lengths_per_role.png", "Completion length per role (tokens)",
+         sorted(k for k in keys if k.startswith("role/") and k.endswith("/length")), False),
+        ("set_ratio.png", "Set ratio (min / mean / max)",
+         ["objective/set_ratio/min", "objective/set_ratio/mean", "objective/set_ratio/max"], False),
+    ]
+    paths = []
+    for fname, title, series, smooth in panels:
+        series = [s for s in series if s in keys]
+        if not series:
+            continue
+        fig, ax = plt.subplots(figsize=(6.4, 3.6))
+        for key in series:
+            xs, ys = _series(rows, key)
+            if not xs:
+                continue
+            line, = ax.plot(xs, ys, alpha=0.35 if smooth and len(ys) > 5 else 1.0, label=key if not smooth or len(ys) <= 5 else None)
+            if smooth and len(ys) > 5:
+                ax.plot(xs, _smooth(ys), color=line.get_color(), label=f"{key} (5-step mean)")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out_dir / fname
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def write_summary(run_dir: Path) -> Path:
+    run_dir = Path(run_dir)
+    rows = read_metrics(run_dir)
+    plots = make_plots(run_dir)
+    cfg_path = sorted((run_dir / "checkpoints").glob("step_*/config.json"))
+    config = json.loads(cfg_path[-1].read_text()) if cfg_path else {}
+    first, last = rows[: min(5, len(rows))], rows[-min(5, len(rows)):]
+
+    def mean(rs, key):
+        vals = [r[key] for r in rs if isinstance(r.get(key), (int, float))]
+        return sum(vals) / len(vals) if vals else float("nan")
+
+    lines = [f"# Run report: {run_dir.name}", ""]
+    if config:
+        lines += [f"- model: `{config['model']['name']}` ({config['model']['layout']})",
+                  f"- workflow: `{config['workflow']['name']}` {config['workflow'].get('options') or ''}",
+                  f"- method: `{config['method']['name']}` (set reduction {config['method']['set_reduction']}, "
+                  f"clip ε {config['method']['clip_eps']})",
+                  f"- task: {config['task']['kind']} — train source `{config['task']['train']['source']}`"]
+    total_time = sum(r.get("time/step_s", 0) for r in rows)
+    lines += [f"- steps: {rows[-1]['step']}, training time {total_time / 60:.1f} min", "",
+              "| | first 5 steps | last 5 steps |", "|---|---:|---:|"]
+    for key in ("reward", "accuracy", "objective/clip_frac", "grad_norm/total", "active_set_size/mean",
+                "team_tokens", "correct_per_million_tokens", "time/step_s"):
+        lines.append(f"| {key} | {mean(first, key):.4g} | {mean(last, key):.4g} |")
+    invalid = sum(r.get("events/invalid", 0) for r in rows)
+    skipped = sum(r.get("nonfinite_skipped", 0) for r in rows)
+    lines += ["", f"Invalid events dropped: {invalid}. Optimizer steps skipped for NaN/Inf: {skipped}.", ""]
+    for name, title in (("eval_before.md", "Held-out evaluation before training"),
+                        ("eval_after.md", "Held-out evaluation after training")):
+        p = run_dir / name
+        if p.is_file():
+            lines += [f"## {title}", "", p.read_text(), ""]
+    lines += ["## Plots", ""] + [f"![{p.stem}](report/{p.name})" for p in plots]
+    out = run_dir / "report.md"
+    out.write_text("\n".join(lines) + "\n")
+    return out

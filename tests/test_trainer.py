@@ -1,0 +1,130 @@
+"""The trainer on tiny models: every example config, resume, config errors."""
+
+import glob
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from srpo.config import ConfigError, load_config
+from srpo.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted(glob.glob(str(ROOT / "configs" / "*" / "*" / "*.yaml")))
+
+
+def varied_reward(task, answer):
+    """A reward that differs across episodes of one task (tiny random models are never right)."""
+    return float(sum(map(ord, answer or "")) % 5) / 4.0
+
+
+def tiny_overrides(tmp_path, extra=()):
+    return [f"run.output_dir={tmp_path}", "run.steps=2", "model.name=tiny-llama", "model.autocast_bf16=false",
+            "workflow.max_new_tokens=6", "train.tasks_per_step=2", "train.group_size=2", "train.lr=0.01",
+            "task.train.n=8", "task.eval=[]", "checkpoint.every=0", "log.tensorboard=false", *extra]
+
+
+def snapshot(trainer):
+    return {pid: [p.detach().clone() for p in trainer.policies.parameters(pid)] for pid in trainer.policies.policy_ids}
+
+
+def moved(before, trainer):
+    return {pid for pid, ps in before.items()
+            if any(not torch.equal(a, b) for a, b in zip(ps, trainer.policies.parameters(pid)))}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: "/".join(Path(p).parts[-3:]))
+def test_two_steps_of_every_example_config(path, tmp_path):
+    cfg = load_config(path, tiny_overrides(tmp_path))
+    trainer = Trainer(cfg, progress=False, reward_fn=varied_reward)
+    before = snapshot(trainer)
+    history = trainer.fit()
+    assert len(history) == 2 and trainer.step == 2
+    assert moved(before, trainer) == set(trainer.policies.policy_ids)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in ("reward", "loss", "objective/clip_frac", "grad_norm/total", "active_set_size/mean",
+                "team_tokens", "time/rollout_s", "events/invalid"):
+        assert key in rows[-1], key
+    assert (tmp_path / "checkpoints" / "latest").is_file()
+
+
+@pytest.mark.parametrize("workflow, options", [("parallel_aggregate", "{num_workers: 3}"), ("routed", "{num_workers: 2}")])
+def test_lora_layout_steps_each_roles_adapter(workflow, options, tmp_path):
+    cfg = load_config(None, tiny_overrides(tmp_path, [f"workflow.name={workflow}", f"workflow.options={options}",
+                                                      "model.layout=lora", "model.lora.r=4", "train.lr=0.05"]))
+    trainer = Trainer(cfg, progress=False, reward_fn=varied_reward)
+    before = snapshot(trainer)
+    trainer.fit()
+    assert moved(before, trainer) == set(trainer.policies.policy_ids)
+    assert all(v == 2 for v in trainer.policies.versions.values())
+
+
+def final_params(trainer):
+    return {pid: [p.detach().clone() for p in trainer.policies.parameters(pid)] for pid in trainer.policies.policy_ids}
+
+
+@pytest.mark.parametrize("layout", ["shared", "lora"])
+def test_resume_reaches_the_same_parameters(layout, tmp_path):
+    common = ["workflow.name=parallel_aggregate", "workflow.options={num_workers: 2}", f"model.layout={layout}",
+              "model.lora.r=4", "checkpoint.every=1", "run.steps=4", "train.minibatches=2"]
+    straight = Trainer(load_config(None, tiny_overrides(tmp_path / "a", common)), progress=False,
+                       reward_fn=varied_reward)
+    straight.fit()
+    first = Trainer(load_config(None, tiny_overrides(tmp_path / "b", common)), progress=False, reward_fn=varied_reward)
+    first.fit(steps=2)
+    del first
+    resumed = Trainer(load_config(None, tiny_overrides(tmp_path / "b", common)), progress=False,
+                      reward_fn=varied_reward)
+    assert resumed.resume() and resumed.step == 2
+    resumed.fit()
+    a, b = final_params(straight), final_params(resumed)
+    for pid in a:
+        for x, y in zip(a[pid], b[pid]):
+            assert torch.equal(x, y)
+    rows = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+
+
+def test_resume_refuses_an_incompatible_config(tmp_path):
+    from srpo.checkpoint import CheckpointError
+
+    Trainer(load_config(None, tiny_overrides(tmp_path)), progress=False, reward_fn=varied_reward).fit()
+    other = Trainer(load_config(None, tiny_overrides(tmp_path, ["method.name=grpo"])), progress=False)
+    with pytest.raises(CheckpointError, match="method.name: checkpoint 'srpo' vs now 'grpo'"):
+        other.resume()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.group_size=1"], "train.group_size: a group-relative method needs G ≥ 2"),
+    (["method.name=ppo"], "method.name: 'ppo' is not valid; valid: at_grpo, dr_mas, grpo, gspo, srpo"),
+    (["train.bogus=3"], "train.bogus: unknown key; valid keys: tasks_per_step"),
+    (["train.lr=fast"], "train.lr: expected a number, got 'fast'"),
+    (["workflow.options={num_workers: 0}", "workflow.name=parallel_aggregate"],
+     "workflow.options.num_workers: must be a positive integer"),
+    (["workflow.name=routed", "workflow.options={num_workers: 2}", "workflow.roles={worker_5: {temperature: 0.5}}"],
+     "workflow.roles.worker_5: no such role in routed"),
+    (["workflow.name=search"], "task.corpus: the search workflow needs a corpus"),
+    (["task.train.source=/nowhere/data.jsonl"], "task.train.source: no such file"),
+    (["task.kind=qa"], "synthetic_arithmetic is a math source but task.kind is 'qa'"),
+    (["model.layout=mixed"], "model.layout: 'mixed' is not valid; valid: shared, lora, separate"),
+    (["method.set_reduction=max"], "method.set_reduction: 'max' is not valid; valid: sqrt, sum, mean"),
+])
+def test_config_errors_name_the_field(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert message in str(err.value)
+
+
+def test_yaml_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    top = tmp_path / "list.yaml"
+    top.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(top)
+    with pytest.raises(ConfigError, match="no config file"):
+        load_config(tmp_path / "missing.yaml")
