@@ -291,11 +291,14 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"train.group_size: a group-relative method needs G ≥ 2 episodes per task, got "
                           f"{cfg.train.group_size}")
     opts = dict(cfg.workflow.options)
-    for key in ("num_workers", "num_searchers", "rounds", "max_turns", "top_k"):
+    for key in ("num_workers", "num_searchers", "rounds", "max_turns", "top_k", "max_chosen"):
         if key in opts and (not isinstance(opts[key], int) or isinstance(opts[key], bool) or opts[key] < 1):
             raise ConfigError(f"workflow.options.{key}: must be a positive integer, got {opts[key]!r}")
     if "k" in opts:
         raise ConfigError("workflow.options.k: set sizes follow from num_workers/num_searchers, not from k")
+    if opts.get("max_chosen", 0) > opts.get("num_workers", 3):
+        raise ConfigError(f"workflow.options.max_chosen: {opts['max_chosen']} is larger than num_workers "
+                          f"({opts.get('num_workers', 3)}); a router cannot run more workers than exist")
     try:
         workflow = build_workflow(cfg.workflow.name, **opts)
     except (TypeError, ValueError) as err:

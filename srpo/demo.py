@@ -30,7 +30,7 @@ DEMO_CONFIG = {
              "eval": [{"source": "synthetic_arithmetic", "level": 0, "n": 100, "seed": 12345, "name": "held-out"}]},
     "method": {"name": "srpo", "set_reduction": "sqrt", "clip_eps": 0.2},
     "train": {"tasks_per_step": 4, "group_size": 4, "lr": 2e-5, "warmup_steps": 2, "old_logprobs": "recompute"},
-    "checkpoint": {"every": 10, "keep": 1},
+    "checkpoint": {"every": 0, "keep": 1},
     "eval": {"k": 2, "temperature": 0.7},
 }
 

@@ -23,6 +23,7 @@ import logging
 import math
 import random
 import time
+import warnings
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
@@ -347,8 +348,10 @@ class Trainer:
         metrics.update({"time/rollout_s": t_rollout, "time/update_s": t_update,
                         "time/step_s": time.perf_counter() - t0,
                         "lr": self.schedulers[self.policies.policy_ids[0]].get_last_lr()[0]})
-        for sched in self.schedulers.values():
-            sched.step()
+        with warnings.catch_warnings():  # a skipped (NaN) step still advances the schedule, on purpose
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            for sched in self.schedulers.values():
+                sched.step()
         self.step += 1
         self.logger.log(self.step, metrics)
         self.logger.samples(self.step, [_episode_record(ep) for ep in episodes[: self.cfg.log.sample_episodes]])

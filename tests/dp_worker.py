@@ -1,8 +1,11 @@
 """One rank of the data-parallel equivalence test (run by tests/test_distributed.py).
 
 Every rank builds the same tiny model and the same global batch of events, takes its
-event-atomic shard, and runs one trainer update; with WORLD_SIZE=1 it updates on the whole
-batch.  Rank 0 saves the resulting parameters.
+event-atomic shard, and runs one trainer update (two epochs — two optimizer steps — over one
+mini-batch of two micro-batches); with WORLD_SIZE=1 it updates on the whole batch.  Rank 0 saves
+the resulting parameters.  (With several mini-batches per epoch, a data-parallel mini-batch is the
+union of every rank's local mini-batch, a different — equally event-atomic — partition than one
+process would draw, so the comparison is made on whole-batch optimizer steps.)
 """
 
 import os
@@ -30,7 +33,7 @@ def main(out_path: str, run_dir: str) -> None:
     cfg = load_config(None, [
         f"run.output_dir={run_dir}", "model.name=tiny-llama", "workflow.name=parallel_aggregate",
         "workflow.options={num_workers: 3}", "workflow.max_new_tokens=8", "train.tasks_per_step=3",
-        "train.group_size=3", "train.optimizer=sgd", "train.lr=0.5", "train.minibatches=2", "train.microbatches=2",
+        "train.group_size=3", "train.optimizer=sgd", "train.lr=0.5", "train.epochs=2", "train.microbatches=2",
         "task.train.n=6", "log.tensorboard=false"])
     dist = Distributed()
     trainer = Trainer(cfg, dist=dist, progress=False, reward_fn=varied_reward)

@@ -12,6 +12,14 @@ import torch
 WORKER = Path(__file__).with_name("dp_worker.py")
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.mark.slow
 def test_two_processes_update_like_one(tmp_path):
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -23,7 +31,7 @@ def test_two_processes_update_like_one(tmp_path):
                    timeout=300)
     double = tmp_path / "double.pt"
     subprocess.run([str(torchrun if torchrun.exists() else "torchrun"), "--nproc_per_node", "2",
-                    "--master_port", "29517", str(WORKER), str(double), str(tmp_path / "run2")],
+                    "--master_port", str(free_port()), str(WORKER), str(double), str(tmp_path / "run2")],
                    check=True, env=env, timeout=300)
     a, b = torch.load(single), torch.load(double)
     initial = __import__("srpo.policies", fromlist=["load_model"]).load_model("tiny-llama")[0]

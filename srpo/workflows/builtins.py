@@ -142,6 +142,13 @@ class Routed(Workflow):
     name = "routed"
     num_workers: int = 3
     fallback: str = "all"  # what an unparseable router choice means: "all" workers or the "first"
+    max_chosen: int = 0  # the most workers one episode may run (0: all of them); extra choices dropped
+
+    def __post_init__(self):
+        if self.fallback not in ("all", "first"):
+            raise ValueError(f"fallback {self.fallback!r} is not valid; valid: all, first")
+        if self.max_chosen > self.num_workers:
+            raise ValueError(f"max_chosen ({self.max_chosen}) is larger than num_workers ({self.num_workers})")
 
     def roles(self):
         return ["router"] + [f"worker_{i + 1}" for i in range(self.num_workers)] + ["aggregator"]
@@ -160,6 +167,9 @@ class Routed(Workflow):
         if chosen is None:
             ctx.count("router_fallbacks")
             chosen = list(range(1, self.num_workers + 1)) if self.fallback == "all" else [1]
+        if self.max_chosen and len(chosen) > self.max_chosen:
+            ctx.count("router_truncated")
+            chosen = chosen[: self.max_chosen]
         ctx.info["router_set_size"] = len(chosen)
         outs = await ctx.ask_set([(f"worker_{i}", task.question) for i in chosen], event_type="workers")
         return (await ctx.ask("aggregator", _aggregator_prompt(task, outs, self.kind))).text
