@@ -131,6 +131,7 @@ class Trainer:
         self.rollout_generator = torch.Generator().manual_seed(cfg.run.seed * 1000 + self.dist.rank)
         self.runtime = Runtime(self.policies, self.role_specs, reward_fn or task_reward, generator=self.rollout_generator,
                                max_batch=t.rollout_batch, max_prompt_tokens=cfg.workflow.max_prompt_tokens)
+        self.reuse_forward_as_old = True  # see on_policy_single_step; tests turn it off to compare
         self.step = 0
         self.data_epoch = 0
         self.data_pos = 0
@@ -211,6 +212,12 @@ class Trainer:
                 chunk_tokens=self.cfg.train.chunk_tokens)
         return ref
 
+    @property
+    def on_policy_single_step(self) -> bool:
+        """One optimizer step per rollout: q_old is exactly the model the update's forward runs."""
+        t = self.cfg.train
+        return self.reuse_forward_as_old and t.old_logprobs == "recompute" and t.epochs == 1 and t.minibatches == 1
+
     def recompute_old_logprobs(self, events: list[Event]) -> float:
         """Set each member's q_old with a no-grad pass; return the max |q_old − behaviour| seen."""
         worst = 0.0
@@ -257,8 +264,15 @@ class Trainer:
                     lp, ent = self._batch_logprobs(batch, grad=True, entropy=True) if want_entropy else \
                         (self._batch_logprobs(batch, grad=True), None)
                     ref = self._ref_logprobs(batch) if cfg.method.kl_coef > 0 else None
+                    # A single optimizer step per rollout (strictly on-policy): q_old is the current
+                    # model, whose log-probs this very forward computes; reuse them rather than
+                    # running the same forward twice (bit-identical to a recompute pass).
+                    old = lp.detach() if self.on_policy_single_step else batch.old_logprobs.to(lp.device)
+                    if self.on_policy_single_step:
+                        gap = ((old - batch.behaviour_logprobs.to(lp.device)) * batch.action_mask.to(lp.device)).abs()
+                        acc["old_vs_behaviour_max_abs"].append(float(gap.max()))
                     loss, metrics = policy_loss(
-                        loss_name, logprobs=lp, old_logprobs=batch.old_logprobs, mask=batch.action_mask,
+                        loss_name, logprobs=lp, old_logprobs=old, mask=batch.action_mask,
                         event_index=batch.event_index, advantages=batch.advantages.to(device),
                         clip_eps=cfg.method.clip_eps, clip_eps_high=cfg.method.clip_eps_high,
                         set_reduction=cfg.method.set_reduction, member_reduction=cfg.method.member_reduction,
@@ -338,7 +352,7 @@ class Trainer:
         loss_events = assign_advantages(valid, self.cfg.method.name, scale=self.cfg.method.advantage_scale)
         t1 = time.perf_counter()
         old_gap = None
-        if self.cfg.train.old_logprobs == "recompute" and loss_events:
+        if self.cfg.train.old_logprobs == "recompute" and loss_events and not self.on_policy_single_step:
             old_gap = self.recompute_old_logprobs(loss_events)
         metrics = self.update(loss_events)
         t_update = time.perf_counter() - t1
@@ -479,7 +493,9 @@ def _reduce_metrics(acc: dict[str, list]) -> dict[str, float]:
     for k, vals in acc.items():
         if k.startswith("clip_frac/k") or k.startswith("units/k"):
             continue
-        if k in ("num_events", "num_members", "num_tokens", "overflow_guard"):
+        if k == "old_vs_behaviour_max_abs":
+            out[k] = float(max(vals))
+        elif k in ("num_events", "num_members", "num_tokens", "overflow_guard"):
             out[f"objective/{k}"] = float(sum(vals))
         elif k.endswith("/min"):
             out[f"objective/{k}"] = float(min(vals))

@@ -1,6 +1,7 @@
 """Tasks: loaders, extraction, grading, retrieval, EM/F1, metrics, real data files."""
 
 import json
+import os
 import time
 from math import comb
 from pathlib import Path
@@ -27,7 +28,16 @@ from srpo.tasks.search import (
     token_f1,
 )
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+def _shared_data() -> Path:
+    """../shared/data next to the checkout, $SRPO_SHARED_DATA, or this workplace's /work/shared/data."""
+    for candidate in (os.environ.get("SRPO_SHARED_DATA"), Path(__file__).resolve().parents[2] / "shared" / "data",
+                      "/work/shared/data"):
+        if candidate and Path(candidate).is_dir():
+            return Path(candidate)
+    return Path("../shared/data")
+
+
+DATA = _shared_data()
 needs_data = pytest.mark.skipif(not DATA.is_dir(), reason="../shared/data is not present")
 
 EQUIVALENT = [

@@ -128,3 +128,26 @@ def test_yaml_errors(tmp_path):
         load_config(top)
     with pytest.raises(ConfigError, match="no config file"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_reusing_the_update_forward_as_q_old_equals_a_recompute_pass(tmp_path):
+    """With one optimizer step per rollout, q_old = the model the update runs: the trainer reuses
+    that forward instead of a separate no-grad pass; the parameters must come out identical."""
+    from srpo.events import validate_events
+    from srpo.methods import assign_advantages
+
+    results = []
+    for reuse in (True, False):
+        cfg = load_config(None, tiny_overrides(tmp_path / str(reuse), ["workflow.name=parallel_aggregate",
+                                                                       "workflow.options={num_workers: 2}"]))
+        trainer = Trainer(cfg, progress=False, reward_fn=varied_reward)
+        trainer.reuse_forward_as_old = reuse
+        trainer.rollout_generator.manual_seed(7)
+        episodes = trainer.rollout(trainer.train_tasks[:2])
+        events = assign_advantages(validate_events([e for ep in episodes for e in ep.events])[0], "srpo")
+        if not reuse:
+            trainer.recompute_old_logprobs(events)
+        metrics = trainer.update(events)
+        assert metrics["grad_norm/total"] > 0
+        results.append([p.detach().clone() for p in trainer.policies.parameters("shared")])
+    assert all(torch.equal(a, b) for a, b in zip(*results))

@@ -1,0 +1,142 @@
+"""Benchmark 1: seconds per training step, srpo vs TRL's GRPOTrainer, on the same work.
+
+Single-agent GRPO on the embedded SmolLM2-135M-Instruct, synthetic two-digit addition, 2 prompts ×
+8 samples per step, at most 64 new tokens, temperature 1, one optimizer step per batch, learning
+rate 1e-5, seed 0.  srpo runs the `single` workflow with the `grpo` loss; TRL runs
+`GRPOTrainer(use_cpu=True, loss_type="grpo", bf16=True)` — its best working CPU setting.  Each
+side runs in its own subprocess, alternately, `--rounds` times; the first step of every run is a
+warm-up and is not counted.  Needs `pip install trl==1.16.0` (not a dependency of srpo).
+
+    python benchmarks/bench_vs_trl.py --steps 6 --rounds 2 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+PROMPTS_PER_STEP, SAMPLES, MAX_NEW, LR, SEED = 2, 8, 64, 1e-5, 0
+
+
+def run_ours(steps: int, threads: int) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    from srpo.config import config_from_dict
+    from srpo.trainer import Trainer
+
+    out = tempfile.mkdtemp()
+    cfg = config_from_dict({
+        "run": {"output_dir": out, "steps": steps, "seed": SEED, "threads": threads},
+        "model": {"name": "smollm2-135m", "layout": "shared", "autocast_bf16": True},
+        # No system prompt: SmolLM2's chat template adds its default one, exactly as TRL's does.
+        "workflow": {"name": "single", "max_new_tokens": MAX_NEW, "temperature": 1.0, "roles": {"solver": {"system": ""}}},
+        "task": {"kind": "math", "train": {"source": "synthetic_arithmetic", "level": 2, "n": 1000, "seed": SEED}},
+        "method": {"name": "grpo"},
+        "train": {"tasks_per_step": PROMPTS_PER_STEP, "group_size": SAMPLES, "lr": LR, "max_grad_norm": 1.0},
+        "checkpoint": {"every": 0}, "log": {"tensorboard": False},
+    })
+    trainer = Trainer(cfg, progress=False)
+    trainer.save = lambda: None  # checkpoint writing is not part of a step
+    history = trainer.fit()
+    return {"step_s": [h["time/step_s"] for h in history],
+            "completion_tokens": [h["team_tokens"] / (PROMPTS_PER_STEP * SAMPLES) for h in history],
+            "reward": [h["reward"] for h in history]}
+
+
+def run_trl(steps: int, threads: int) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from srpo.policies.registry import converted_checkpoint
+    from srpo.tasks.math import grade_math, synthetic_arithmetic
+
+    path = str(converted_checkpoint("smollm2-135m"))
+    tasks = synthetic_arithmetic(1000, level=2, seed=SEED)
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": t.question}], "gold": t.answers[0]} for t in tasks])
+    lengths: list[float] = []
+    rewards: list[float] = []
+
+    def reward(completions, gold, completion_ids=None, **_):
+        if completion_ids is not None:
+            lengths.append(sum(len(c) for c in completion_ids) / len(completion_ids))
+        scores = [grade_math(c[0]["content"], g) for c, g in zip(completions, gold)]
+        rewards.append(sum(scores) / len(scores))
+        return scores
+
+    class Timer(TrainerCallback):
+        def __init__(self):
+            self.times, self.t = [], None
+
+        def on_step_begin(self, *a, **k):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            self.times.append(time.perf_counter() - self.t)
+
+    timer = Timer()
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=True, per_device_train_batch_size=PROMPTS_PER_STEP * SAMPLES,
+        num_generations=SAMPLES, max_completion_length=MAX_NEW, learning_rate=LR, loss_type="grpo", max_steps=steps,
+        temperature=1.0, beta=0.0, seed=SEED, logging_steps=1, report_to=[], save_strategy="no",
+        dataloader_num_workers=0, max_grad_norm=1.0, disable_tqdm=True)
+    trainer = GRPOTrainer(model=path, reward_funcs=reward, args=args, train_dataset=data,
+                          processing_class=AutoTokenizer.from_pretrained(path), callbacks=[timer])
+    trainer.train()
+    return {"step_s": timer.times, "completion_tokens": lengths, "reward": rewards}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--child", choices=["ours", "trl"])
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    if args.child:
+        res = (run_ours if args.child == "ours" else run_trl)(args.steps, args.threads)
+        print("RESULT " + json.dumps(res))
+        return
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    runs: dict[str, list[dict]] = {"ours": [], "trl": []}
+    for r in range(args.rounds):
+        for side in ("ours", "trl"):
+            proc = subprocess.run([sys.executable, __file__, "--child", side, "--steps", str(args.steps),
+                                   "--threads", str(args.threads)], capture_output=True, text=True, env=env)
+            line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+            if proc.returncode or not line:
+                raise SystemExit(f"{side} failed:\n{proc.stderr[-3000:]}")
+            res = json.loads(line[-1][len("RESULT "):])
+            runs[side].append(res)
+            print(f"round {r + 1} {side}: steps {[round(x, 1) for x in res['step_s']]}", flush=True)
+    summary = {}
+    for side, rs in runs.items():
+        steps = [s for r in rs for s in r["step_s"][1:]]  # drop each run's warm-up step
+        tokens = [t for r in rs for t in r["completion_tokens"]]
+        summary[side] = {"median_step_s": statistics.median(steps), "steps_counted": len(steps),
+                         "mean_completion_tokens": statistics.mean(tokens) if tokens else float("nan")}
+    ratio = summary["trl"]["median_step_s"] / summary["ours"]["median_step_s"]
+    print(f"\ntorch threads {args.threads}; {os.cpu_count()} CPUs; {args.rounds} rounds × {args.steps} steps each\n")
+    print("| trainer | median s/step | steps counted | mean completion tokens |\n|---|---:|---:|---:|")
+    for side, name in (("ours", "srpo (single + grpo)"), ("trl", "TRL 1.16 GRPOTrainer (bf16)")):
+        s = summary[side]
+        print(f"| {name} | {s['median_step_s']:.1f} | {s['steps_counted']} | {s['mean_completion_tokens']:.1f} |")
+    print(f"\nspeed-up: {ratio:.2f}× (TRL median / srpo median)")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"summary": summary, "ratio": ratio, "runs": runs}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
