@@ -186,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true")
     p.set_defaults(func=_models)
 
+    from srpo.study import add_study_parser
+
+    add_study_parser(sub)
     return parser
 
 

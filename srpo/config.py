@@ -76,6 +76,10 @@ class WorkflowConfig:
     """Workflow options: num_workers, rounds, max_turns, top_k, num_searchers, fallback."""
     max_new_tokens: int = 128
     temperature: float = 1.0
+    system: str | None = None
+    """Default system prompt of every role (None: the workflow's own; a role's override wins)."""
+    template: str | None = None
+    """Default user-message template of every role, with {input} (a role's override wins)."""
     roles: dict[str, RoleOverride] = field(default_factory=dict)
     """Per-role overrides of system prompt, template and sampling."""
     max_prompt_tokens: int = 2048

@@ -19,12 +19,9 @@ DEMO_CONFIG = {
     "model": {"name": "smollm2-135m", "layout": "shared", "autocast_bf16": True},
     "workflow": {
         "name": "parallel_aggregate", "options": {"num_workers": 2}, "max_new_tokens": 24, "temperature": 0.7,
-        "roles": {
-            # Short system prompts: SmolLM2's template otherwise inserts a ~20-token default one.
-            "worker_1": {"system": "Be brief.", "template": "{input} Reply with just the number."},
-            "worker_2": {"system": "Be brief.", "template": "{input} Reply with just the number."},
-            "aggregator": {"system": "Be brief.", "template": "{input}\nReply with just the number."},
-        },
+        # A short system prompt: SmolLM2's template otherwise inserts a ~20-token default one.
+        "system": "Be brief.", "template": "{input} Reply with just the number.",
+        "roles": {"aggregator": {"template": "{input}\nReply with just the number."}},
     },
     "task": {"kind": "math", "train": {"source": "synthetic_arithmetic", "level": 0, "n": 2000, "seed": 0},
              "eval": [{"source": "synthetic_arithmetic", "level": 0, "n": 100, "seed": 12345, "name": "held-out"}]},

@@ -1,0 +1,1 @@
+"""Adapters that plug srpo's objective into other trainers (verl)."""

@@ -1,0 +1,242 @@
+"""``srpo study``: methods × workflows × tasks × seeds, each cell a training run plus evaluation.
+
+A study file names a base training config, the axes of the grid (each a list of labelled
+override sets), the seeds, and the evaluation.  Every cell trains in its own run folder,
+evaluates, and writes ``cell.json``; a finished cell is never re-run and an interrupted one
+resumes from its last checkpoint, so the whole study is resumable by running it again.
+
+    output_dir: runs/study-methods-math
+    base: ../math/parallel_aggregate/base.yaml     # relative to this file
+    overrides: {run.steps: 12, train.group_size: 4}
+    axes:
+      method:
+        - {label: srpo, set: {method.name: srpo}}
+        - {label: grpo, set: {method.name: grpo}}
+    seeds: [0, 1]
+    eval:
+      k: 2
+      datasets:
+        - {source: synthetic_arithmetic, level: 0, n: 50, seed: 999, name: arith}
+
+The results table (``results.md``/``results.json``) reports avg@k and pass@k per dataset and their
+macro-averages as mean ± standard error over seeds, and per cell the diagnostics of training:
+set-ratio statistics and clip fraction by set size, gradient norm (range and coefficient of
+variation), mean active-set size (first and last steps), the router's set size, invalid events,
+and correct answers per million team tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from srpo.config import ConfigError, DataSource, apply_overrides, config_from_dict, read_yaml
+from srpo.metrics_log import read_metrics
+
+
+def load_study(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"no study file at {p}")
+    spec = yaml.safe_load(p.read_text()) or {}
+    for key in ("output_dir", "base", "axes", "seeds", "eval"):
+        if key not in spec:
+            raise ConfigError(f"{p}: missing key {key!r} (needs output_dir, base, axes, seeds, eval)")
+    unknown = set(spec) - {"output_dir", "base", "overrides", "axes", "seeds", "eval", "description"}
+    if unknown:
+        raise ConfigError(f"{p}: unknown key {sorted(unknown)[0]!r}")
+    spec["base"] = str((p.parent / spec["base"]).resolve())
+    for axis, entries in spec["axes"].items():
+        if not isinstance(entries, list) or not entries:
+            raise ConfigError(f"{p}: axes.{axis} must be a non-empty list of {{label, set}}")
+        for e in entries:
+            if not isinstance(e, dict) or "label" not in e:
+                raise ConfigError(f"{p}: every entry of axes.{axis} needs a label (and a set of overrides)")
+    return spec
+
+
+def cells(spec: dict) -> list[dict]:
+    """Every (axis entries..., seed) combination with its merged overrides."""
+    axes = list(spec["axes"].items())
+    out = []
+    for combo in itertools.product(*[entries for _, entries in axes]):
+        label = "-".join(e["label"] for e in combo)
+        overrides = dict(spec.get("overrides") or {})
+        for e in combo:
+            overrides.update(e.get("set") or {})
+        for seed in spec["seeds"]:
+            out.append({"label": label, "seed": seed, "overrides": {**overrides, "run.seed": seed},
+                        "axes": {name: e["label"] for (name, _), e in zip(axes, combo)}})
+    return out
+
+
+def cell_config(spec: dict, cell: dict, run_dir: Path):
+    data = read_yaml(spec["base"])
+    items = [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in cell["overrides"].items()]
+    data = apply_overrides(data, items + [f"run.output_dir={run_dir}"])
+    data.setdefault("task", {})["eval"] = []
+    return config_from_dict(data)
+
+
+def run_cell(spec: dict, cell: dict, root: Path, progress: bool = True) -> dict:
+    from srpo.data import load_tasks, source_name
+    from srpo.evaluation import evaluate
+    from srpo.trainer import Trainer
+
+    run_dir = root / cell["label"] / f"seed{cell['seed']}"
+    done = run_dir / "cell.json"
+    if done.is_file():
+        return json.loads(done.read_text())
+    cfg = cell_config(spec, cell, run_dir)
+    started = time.perf_counter()
+    trainer = Trainer(cfg, progress=progress)
+    trainer.resume()
+    if trainer.step < cfg.run.steps:
+        trainer.fit()
+    ev = spec["eval"]
+    datasets = {}
+    for d in ev["datasets"]:
+        src = DataSource(**{k: v for k, v in d.items()})
+        if not src.source.startswith(("synthetic_", "hub:")) and not Path(src.source).is_absolute():
+            src.source = str((Path(spec["base"]).parent / src.source).resolve()) if not Path(src.source).exists() else src.source
+        datasets[source_name(src)] = load_tasks(src, cfg.task.kind)[: src.n or None]
+    with trainer.autocast():
+        results = evaluate(trainer.policies, trainer.workflow, trainer.role_specs, datasets, k=ev.get("k", 4),
+                           temperature=ev.get("temperature", cfg.workflow.temperature), seed=1000 + cell["seed"],
+                           progress=progress)
+    record = {**cell, "eval": results, "diagnostics": diagnostics(run_dir), "minutes": (time.perf_counter() - started) / 60}
+    done.write_text(json.dumps(record, indent=1))
+    return record
+
+
+def _stats(values):
+    values = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    if not values:
+        return {}
+    mean = sum(values) / len(values)
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1))
+    return {"mean": mean, "min": min(values), "max": max(values), "cv": sd / mean if mean else float("nan")}
+
+
+def diagnostics(run_dir: Path) -> dict[str, Any]:
+    rows = read_metrics(run_dir)
+    if not rows:
+        return {}
+    keys = set().union(*rows)
+    head, tail = rows[: min(5, len(rows))], rows[-min(5, len(rows)):]
+
+    def avg(rs, key):
+        vals = [r[key] for r in rs if isinstance(r.get(key), (int, float))]
+        return sum(vals) / len(vals) if vals else None
+
+    out = {
+        "set_ratio_min": min((r.get("objective/set_ratio/min", 1.0) for r in rows), default=None),
+        "set_ratio_max": max((r.get("objective/set_ratio/max", 1.0) for r in rows), default=None),
+        "set_log_ratio_mean": avg(rows, "objective/set_log_ratio/mean"),
+        "clip_frac": avg(rows, "objective/clip_frac"),
+        "clip_frac_by_k": {k.removeprefix("clip_frac/"): avg(rows, k) for k in sorted(keys) if k.startswith("clip_frac/k")},
+        "grad_norm": _stats([r.get("grad_norm/total") for r in rows]),
+        "active_set_size_first": avg(head, "active_set_size/mean"),
+        "active_set_size_last": avg(tail, "active_set_size/mean"),
+        "router_set_size_first": avg(head, "router_set_size/mean"),
+        "router_set_size_last": avg(tail, "router_set_size/mean"),
+        "invalid_events": sum(r.get("events/invalid", 0) for r in rows),
+        "train_reward_first": avg(head, "reward"),
+        "train_reward_last": avg(tail, "reward"),
+        "correct_per_million_team_tokens": rows[-1].get("cum/correct_per_million_tokens"),
+    }
+    return out
+
+
+def _mean_se(values):
+    if not values:
+        return float("nan"), float("nan")
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, float("nan")
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+    return mean, sd / math.sqrt(len(values))
+
+
+def summarize(records: list[dict], k: int) -> tuple[str, dict]:
+    labels = list(dict.fromkeys(r["label"] for r in records))
+    datasets = list(dict.fromkeys(d for r in records for d in r["eval"]["datasets"]))
+    table = {}
+    lines = ["| cell | seeds | " + " | ".join(f"{d} avg@{k} | {d} pass@{k}" for d in datasets)
+             + f" | macro avg@{k} | macro pass@{k} |",
+             "|---|---:|" + "---:|" * (2 * len(datasets) + 2)]
+    for label in labels:
+        rs = [r for r in records if r["label"] == label]
+        row = {"seeds": [r["seed"] for r in rs]}
+        cells_text = []
+        for d in datasets:
+            for metric in (f"avg@{k}", f"pass@{k}"):
+                m, se = _mean_se([r["eval"]["datasets"][d][metric] for r in rs if d in r["eval"]["datasets"]])
+                row[f"{d}/{metric}"] = (m, se)
+                cells_text.append(f"{m:.3f} ± {se:.3f}" if se == se else f"{m:.3f}")
+        for metric in (f"avg@{k}", f"pass@{k}"):
+            m, se = _mean_se([r["eval"]["macro"][metric] for r in rs])
+            row[f"macro/{metric}"] = (m, se)
+            cells_text.append(f"{m:.3f} ± {se:.3f}" if se == se else f"{m:.3f}")
+        table[label] = row
+        lines.append(f"| {label} | {len(rs)} | " + " | ".join(cells_text) + " |")
+    lines += ["", "| cell | train reward first→last 5 steps | clip frac | clip frac by K | grad norm range (CV) | "
+              "active-set size first→last | router set size first→last | invalid events | correct / M team tokens | minutes |",
+              "|---|---|---:|---|---|---|---|---:|---:|---:|"]
+    for label in labels:
+        for r in [r for r in records if r["label"] == label]:
+            d = r["diagnostics"]
+            g = d.get("grad_norm", {})
+            byk = ", ".join(f"{kk}: {v:.3f}" for kk, v in d.get("clip_frac_by_k", {}).items() if v is not None)
+
+            def f(x, fmt="{:.2f}"):
+                return fmt.format(x) if isinstance(x, (int, float)) else "–"
+
+            lines.append(
+                f"| {label} s{r['seed']} | {f(d.get('train_reward_first'))} → {f(d.get('train_reward_last'))} | "
+                f"{f(d.get('clip_frac'), '{:.3f}')} | {byk or '–'} | {f(g.get('min'))}–{f(g.get('max'))} ({f(g.get('cv'))}) | "
+                f"{f(d.get('active_set_size_first'))} → {f(d.get('active_set_size_last'))} | "
+                f"{f(d.get('router_set_size_first'))} → {f(d.get('router_set_size_last'))} | {d.get('invalid_events', '–')} | "
+                f"{f(d.get('correct_per_million_team_tokens'), '{:.0f}')} | {f(r.get('minutes'), '{:.1f}')} |")
+    return "\n".join(lines) + "\n", table
+
+
+def run_study(path: str | Path, progress: bool = True, only: int | None = None) -> Path:
+    spec = load_study(path)
+    root = Path(spec["output_dir"])
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "study.yaml").write_text(Path(path).read_text())
+    records = []
+    todo = cells(spec)
+    for i, cell in enumerate(todo[:only] if only else todo):
+        if progress:
+            print(f"[{i + 1}/{len(todo)}] {cell['label']} seed {cell['seed']}", flush=True)
+        records.append(run_cell(spec, cell, root, progress))
+        write_results(root, records, spec)
+    return root / "results.md"
+
+
+def write_results(root: Path, records: list[dict], spec: dict) -> None:
+    k = spec["eval"].get("k", 4)
+    text, table = summarize(records, k)
+    (root / "results.md").write_text(f"# Study: {root.name}\n\n{spec.get('description', '')}\n\n{text}")
+    (root / "results.json").write_text(json.dumps({"table": table, "cells": records}, indent=1, default=str))
+
+
+def add_study_parser(sub) -> None:
+    p = sub.add_parser("study", help="methods × workflows × tasks × seeds: train, evaluate, tabulate (resumable)")
+    p.add_argument("--config", required=True, help="a study file (see configs/studies/)")
+    p.add_argument("--only", type=int, default=None, help="run only the first N cells")
+    p.set_defaults(func=_study)
+
+
+def _study(args) -> int:
+    out = run_study(args.config, only=args.only)
+    print(f"results: {out}")
+    return 0
