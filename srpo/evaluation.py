@@ -39,8 +39,9 @@ def evaluate(policies, workflow, role_specs, datasets: dict[str, list[Task]], *,
     for name, tasks in datasets.items():
         jobs = [(f"eval-{name}-{i}-{j}", t) for i, t in enumerate(tasks) for j in range(k)]
         episodes = []
-        # Episodes run in chunks of about one generation batch so the progress bar moves.
-        chunk = max(k, (max_batch // k) * k)
+        # Episodes run in chunks of 64 (whole tasks) so the progress bar moves; each chunk still
+        # batches all of its pending requests.
+        chunk = max(k, (min(max_batch, 64) // k) * k)
         with torch.no_grad():
             for start in range(0, len(jobs), chunk):
                 episodes += runtime.run(workflow, jobs[start:start + chunk])

@@ -12,10 +12,8 @@ import srpo.integrations.verl as srpo_verl  # noqa: E402
 def actor_config(clip=0.2):
     from verl.workers.config import ActorConfig
 
-    cfg = ActorConfig(strategy="fsdp", clip_ratio=clip, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=4,
-                      rollout_n=1)
-    cfg.global_batch_info = {}
-    return cfg
+    return ActorConfig(strategy="fsdp", clip_ratio=clip, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=4,
+                       rollout_n=1)
 
 
 def batch(seed, bs=6, T=9):
@@ -30,6 +28,7 @@ def batch(seed, bs=6, T=9):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_srpo_k1_mean_equals_verl_gspo(seed):
     srpo_verl.register(member_reduction="mean")
+    srpo_verl._OPTIONS.update(member_reduction="mean")
     cfg = actor_config()
     old, lp, adv, mask = batch(seed)
     ours, _ = core_algos.get_policy_loss_fn("srpo")(old, lp, adv, mask, "seq-mean-token-mean", cfg)
@@ -41,25 +40,25 @@ def test_srpo_k1_mean_equals_verl_gspo(seed):
 
 
 def test_srpo_sets_in_verl_match_our_objective():
-    srpo_verl.register(member_reduction="sum")
-    srpo_verl._OPTIONS["member_reduction"] = "sum"
+    """Rows 0-1, 2 and 3-5 are three events; verl broadcasts each event's advantage over tokens."""
+    srpo_verl.register()
+    srpo_verl._OPTIONS.update(set_reduction="sqrt", member_reduction="sum")
     cfg = actor_config()
-    old, lp, adv, mask = batch(5)
+    old, lp, _, mask = batch(5)
     events = torch.tensor([0, 0, 1, 2, 2, 2])
-    adv = adv.clone()
-    for e in range(3):  # one advantage per event
-        rows = events == e
-        adv[rows] = adv[rows][0].expand_as(adv[rows]) * mask[rows] / mask[rows].clamp(min=1) * mask[rows]
+    event_adv = torch.tensor([0.7, -1.2, 0.4], dtype=torch.float64)
+    adv = event_adv[events][:, None] * mask
     with srpo_verl.event_context(events, num_events=3):
         ours, metrics = core_algos.get_policy_loss_fn("srpo")(old, lp, adv, mask, "token-mean", cfg)
+    (g_ours,) = torch.autograd.grad(ours, lp)
     from srpo.objective import policy_loss
 
-    event_adv = torch.stack([(adv[events == e] * mask[events == e]).sum(-1).div(mask[events == e].sum(-1))[0]
-                             for e in range(3)])
     expected, _ = policy_loss("srpo", logprobs=lp, old_logprobs=old, mask=mask, event_index=events,
-                              advantages=event_adv)
-    assert torch.allclose(ours, expected, atol=1e-10)
+                              advantages=event_adv, normalizer=3)
+    (g_expected,) = torch.autograd.grad(expected, lp)
+    assert torch.allclose(ours, expected, atol=1e-10) and torch.allclose(g_ours, g_expected, atol=1e-10)
     assert metrics["actor/srpo/num_events"] == 3
+    srpo_verl._OPTIONS.update(member_reduction="sum")
 
 
 def test_group_advantages_equal_verl_grpo():
@@ -72,4 +71,9 @@ def test_group_advantages_equal_verl_grpo():
     index = np.array(["a", "a", "a", "b", "b", "c", "c", "c", "c", "d", "e", "e"], dtype=object)
     theirs, _ = core_algos.get_adv_estimator_fn("grpo")(rewards, mask, index)
     ours, _ = core_algos.get_adv_estimator_fn("srpo_event")(rewards, mask, index)
-    assert torch.allclose(ours, theirs, atol=1e-6)
+    grouped = torch.tensor([list(index).count(i) > 1 for i in index])
+    assert torch.allclose(ours[grouped], theirs[grouped], atol=1e-6)
+    # The one deliberate difference: a group of one has no peer; SRPO gives it 0, while verl
+    # passes its raw score through (mean 0, std 1).
+    assert torch.all(ours[~grouped] == 0)
+    assert torch.allclose(theirs[~grouped], rewards[~grouped].sum(-1, keepdim=True).expand(-1, T), atol=1e-5)
