@@ -240,6 +240,17 @@ def _clip_metrics(clipped_low, clipped_high, guard, unit_set_size) -> dict[str, 
     return metrics
 
 
+def _add_kl(b: MemberBatch, pg_loss, metrics, kl_sum, denom, kl_coef):
+    """loss = pg_loss + kl_coef · (KL summed in the loss's own unit) / the same normaliser."""
+    loss = pg_loss
+    if b.ref_kl is not None and kl_coef:
+        kl_loss = kl_sum() / denom
+        loss = loss + kl_coef * kl_loss
+        metrics["loss/kl"] = kl_loss.detach()
+    metrics["loss/pg"] = pg_loss.detach()
+    return loss, metrics
+
+
 @register_loss("srpo")
 def _srpo_loss(b: MemberBatch, *, clip_low, clip_high, normalizer, kl_coef):
     """Set-level PPO-clip: one ratio, one advantage, one clip per event; mean over events."""
@@ -250,16 +261,12 @@ def _srpo_loss(b: MemberBatch, *, clip_low, clip_high, normalizer, kl_coef):
     denom = _as_normalizer(normalizer, present.sum(), loss_e)
     pg_loss = torch.where(present, loss_e, torch.zeros_like(loss_e)).sum() / denom
     metrics = {**_common_metrics(b), **_clip_metrics(lo[present], hi[present], guard[present], b.set_sizes[present])}
-    loss = pg_loss
-    if b.ref_kl is not None and kl_coef:
-        # Per event: mean over its members of their token-mean KL; summed over events / normaliser.
+
+    def kl_sum():  # per event: the mean over its members of their token-mean KL
         member_kl = b.ref_kl.sum(1) / b.tokens.clamp(min=1)
-        event_kl = torch.zeros_like(loss_e).index_add(0, b.event_index, member_kl) / b.set_sizes.clamp(min=1)
-        kl_loss = event_kl.sum() / denom
-        loss = loss + kl_coef * kl_loss
-        metrics["loss/kl"] = kl_loss.detach()
-    metrics["loss/pg"] = pg_loss.detach()
-    return loss, metrics
+        return (torch.zeros_like(loss_e).index_add(0, b.event_index, member_kl) / b.set_sizes.clamp(min=1)).sum()
+
+    return _add_kl(b, pg_loss, metrics, kl_sum, denom, kl_coef)
 
 
 @register_loss("grpo")
@@ -272,13 +279,7 @@ def _grpo_loss(b: MemberBatch, *, clip_low, clip_high, normalizer, kl_coef):
     pg_loss = torch.where(b.mask, loss_t, zero).sum() / denom
     token_k = b.set_sizes[b.event_index].unsqueeze(1).expand_as(b.mask)
     metrics = {**_common_metrics(b), **_clip_metrics(lo[b.mask], hi[b.mask], guard[b.mask], token_k[b.mask])}
-    loss = pg_loss
-    if b.ref_kl is not None and kl_coef:
-        kl_loss = b.ref_kl.sum() / denom
-        loss = loss + kl_coef * kl_loss
-        metrics["loss/kl"] = kl_loss.detach()
-    metrics["loss/pg"] = pg_loss.detach()
-    return loss, metrics
+    return _add_kl(b, pg_loss, metrics, lambda: b.ref_kl.sum(), denom, kl_coef)  # per token
 
 
 @register_loss("gspo")
@@ -290,13 +291,7 @@ def _gspo_loss(b: MemberBatch, *, clip_low, clip_high, normalizer, kl_coef):
     denom = _as_normalizer(normalizer, torch.tensor(loss_m.numel(), device=loss_m.device), loss_m)
     pg_loss = loss_m.sum() / denom
     metrics = {**_common_metrics(b), **_clip_metrics(lo, hi, guard, b.set_sizes[b.event_index])}
-    loss = pg_loss
-    if b.ref_kl is not None and kl_coef:
-        kl_loss = (b.ref_kl.sum(1) / b.tokens.clamp(min=1)).sum() / denom
-        loss = loss + kl_coef * kl_loss
-        metrics["loss/kl"] = kl_loss.detach()
-    metrics["loss/pg"] = pg_loss.detach()
-    return loss, metrics
+    return _add_kl(b, pg_loss, metrics, lambda: (b.ref_kl.sum(1) / b.tokens.clamp(min=1)).sum(), denom, kl_coef)
 
 
 def policy_loss(
