@@ -101,6 +101,8 @@ class DataSource:
     """hub datasets: the split."""
     skip_bad_rows: bool = False
     """Skip (and count) rows without a question or answer instead of failing."""
+    fields: dict[str, str] = field(default_factory=dict)
+    """Rename a dataset's columns to ours, e.g. {question: prompt, answer: solution}."""
 
 
 @dataclass

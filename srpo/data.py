@@ -37,6 +37,11 @@ def load_tasks(src: DataSource, kind: str) -> list[Task]:
     if src.source == "synthetic_kb":
         return synthetic_kb(src.n, seed=src.seed)[1]
     rows = _hub_rows(src) if src.source.startswith("hub:") else None
+    if src.fields:
+        from srpo.tasks.base import read_rows
+
+        rename = {theirs: ours for ours, theirs in src.fields.items()}
+        rows = ((n, {rename.get(k, k): v for k, v in row.items()}) for n, row in (rows or read_rows(src.source)))
     loader = load_math_file if kind == "math" else load_qa
     tasks, _ = loader(src.source, skip_bad_rows=src.skip_bad_rows, limit=limit, rows=rows)
     name = source_name(src)

@@ -151,3 +151,14 @@ def test_reusing_the_update_forward_as_q_old_equals_a_recompute_pass(tmp_path):
         assert metrics["grad_norm/total"] > 0
         results.append([p.detach().clone() for p in trainer.policies.parameters("shared")])
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_paper_scale_configs_parse():
+    """The GPU/hub configs cannot run here, but their keys and types must be valid."""
+    from srpo.config import Config, _build, read_yaml
+
+    files = [f for f in glob.glob(str(ROOT / "configs" / "paper" / "*.yaml")) if "study" not in f]
+    assert len(files) == 4
+    for f in files:
+        cfg = _build(Config, read_yaml(f), "")
+        assert cfg.run.device == "cuda" and cfg.eval.k == 16
