@@ -48,7 +48,7 @@ def load_study(path: str | Path) -> dict:
     for key in ("output_dir", "base", "axes", "seeds", "eval"):
         if key not in spec:
             raise ConfigError(f"{p}: missing key {key!r} (needs output_dir, base, axes, seeds, eval)")
-    unknown = set(spec) - {"output_dir", "base", "overrides", "axes", "seeds", "eval", "description"}
+    unknown = set(spec) - {"output_dir", "base", "overrides", "axes", "seeds", "eval", "description", "eval_untrained"}
     if unknown:
         raise ConfigError(f"{p}: unknown key {sorted(unknown)[0]!r}")
     spec["base"] = str((p.parent / spec["base"]).resolve())
@@ -84,7 +84,8 @@ def cell_config(spec: dict, cell: dict, run_dir: Path):
     return config_from_dict(data)
 
 
-def run_cell(spec: dict, cell: dict, root: Path, progress: bool = True) -> dict:
+def run_cell(spec: dict, cell: dict, root: Path, progress: bool = True, train: bool = True) -> dict:
+    """Train (unless ``train`` is False: the untrained reference) and evaluate one cell."""
     from srpo.data import load_tasks, source_name
     from srpo.evaluation import evaluate
     from srpo.trainer import Trainer
@@ -96,9 +97,10 @@ def run_cell(spec: dict, cell: dict, root: Path, progress: bool = True) -> dict:
     cfg = cell_config(spec, cell, run_dir)
     started = time.perf_counter()
     trainer = Trainer(cfg, progress=progress)
-    trainer.resume()
-    if trainer.step < cfg.run.steps:
-        trainer.fit()
+    if train:
+        trainer.resume()
+        if trainer.step < cfg.run.steps:
+            trainer.fit()
     ev = spec["eval"]
     datasets = {}
     for d in ev["datasets"]:
@@ -110,7 +112,9 @@ def run_cell(spec: dict, cell: dict, root: Path, progress: bool = True) -> dict:
         results = evaluate(trainer.policies, trainer.workflow, trainer.role_specs, datasets, k=ev.get("k", 4),
                            temperature=ev.get("temperature", cfg.workflow.temperature), seed=1000 + cell["seed"],
                            progress=progress)
-    record = {**cell, "eval": results, "diagnostics": diagnostics(run_dir), "minutes": (time.perf_counter() - started) / 60}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record = {**cell, "eval": results, "diagnostics": diagnostics(run_dir) if train else {},
+              "minutes": (time.perf_counter() - started) / 60}
     done.write_text(json.dumps(record, indent=1))
     return record
 
@@ -214,6 +218,16 @@ def run_study(path: str | Path, progress: bool = True, only: int | None = None) 
     (root / "study.yaml").write_text(Path(path).read_text())
     records = []
     todo = cells(spec)
+    if spec.get("eval_untrained"):
+        # The starting point of every distinct workflow, evaluated once without training.
+        seen = set()
+        for cell in todo:
+            key = json.dumps({k: v for k, v in cell["overrides"].items() if k.startswith("workflow.")}, sort_keys=True)
+            if key in seen:
+                continue
+            seen.add(key)
+            base = {**cell, "label": f"untrained ({cell['label']} workflow)", "seed": spec["seeds"][0]}
+            records.append(run_cell(spec, base, root, progress, train=False))
     for i, cell in enumerate(todo[:only] if only else todo):
         if progress:
             print(f"[{i + 1}/{len(todo)}] {cell['label']} seed {cell['seed']}", flush=True)

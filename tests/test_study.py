@@ -21,15 +21,16 @@ def test_study_runs_tabulates_and_resumes(tmp_path, monkeypatch):
         "output_dir": str(tmp_path / "out"), "base": "base.yaml",
         "axes": {"method": [{"label": "srpo", "set": {"method.name": "srpo"}},
                             {"label": "grpo", "set": {"method.name": "grpo"}}]},
-        "seeds": [0, 1],
+        "seeds": [0, 1], "eval_untrained": True,
         "eval": {"k": 2, "datasets": [{"source": "synthetic_arithmetic", "level": 0, "n": 3, "seed": 9, "name": "a"}]},
     }))
     results = run_study(study, progress=False)
     text = results.read_text()
     assert "| srpo | 2 |" in text and "| grpo | 2 |" in text and "macro avg@2" in text
     data = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert len(data["cells"]) == 4
-    assert all("grad_norm" in c["diagnostics"] for c in data["cells"])
+    assert len(data["cells"]) == 5, "4 trained cells + the untrained starting point of their one workflow"
+    assert "| untrained (srpo workflow) | 1 |" in text
+    assert all("grad_norm" in c["diagnostics"] for c in data["cells"] if not c["label"].startswith("untrained"))
     # Running it again re-uses every finished cell (no training: the trainer must not be built).
     import srpo.trainer
 
