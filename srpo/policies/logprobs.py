@@ -39,7 +39,7 @@ def _chunk_logprobs(hidden, targets, weight, bias, temperature, softcap):
     return torch.stack([logp, entropy], dim=-1)
 
 
-def _cache_keyword(module) -> str:
+def cache_keyword(module) -> str:
     """transformers 5 names the KV-cache argument ``cache``; 4.x named it ``past_key_values``."""
     return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
@@ -59,7 +59,7 @@ def _prediction_states(model, input_ids, attention_mask, P: int, share_prompts: 
             rows = torch.arange(input_ids.shape[0], device=input_ids.device)
             first = torch.full((unique.shape[0],), input_ids.shape[0], dtype=torch.long, device=input_ids.device)
             first = first.scatter_reduce(0, inverse, rows, reduce="amin")  # one row holding each prompt
-            cache_kw = _cache_keyword(backbone)
+            cache_kw = cache_keyword(backbone)
             cache = _new_cache(DynamicCache, model)
             prompt_out = backbone(input_ids=input_ids[first, :P], attention_mask=attention_mask[first, :P],
                                   position_ids=positions[first, :P], use_cache=True, **{cache_kw: cache})

@@ -10,12 +10,11 @@ and its log-probs are those of temperature 1.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
 
-from srpo.policies.logprobs import position_ids_from_mask
+from srpo.policies.logprobs import cache_keyword, position_ids_from_mask
 
 
 @dataclass(frozen=True)
@@ -56,12 +55,6 @@ def eos_token_ids(model, tokenizer) -> set[int]:
     elif gen_eos:
         ids.update(int(i) for i in gen_eos)
     return ids
-
-
-def _cache_keyword(model) -> str:
-    """transformers 5 names the KV-cache argument ``cache``; 4.x named it ``past_key_values``."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -116,7 +109,7 @@ def sample(
     extra = {"adapter_names": adapter_names} if adapter_names is not None else {}
     from transformers import DynamicCache
 
-    cache_kw = _cache_keyword(model)
+    cache_kw = cache_keyword(model.get_base_model() if hasattr(model, "get_base_model") else model)
     cache = DynamicCache()
     # Prefill each distinct (prompt, adapter) once: the G samples of a task, and workers that
     # share a prompt, repeat it.  The KV cache and last logits are then expanded to every row.
