@@ -98,8 +98,8 @@ def test_behaviour_logprobs_match_teacher_forcing(layout, model):
 
 def test_lora_mixed_adapter_batch_equals_one_adapter_at_a_time():
     ps = make_policies("lora")
-    reqs = [r for r in requests(ps.tokenizer) if r.params.temperature == 0] * 2
-    reqs = [GenerationRequest(role, reqs[0].prompt_ids, SamplingParams(max_new_tokens=8, temperature=0)) for role in ROLES]
+    prompt = requests(ps.tokenizer)[3].prompt_ids
+    reqs = [GenerationRequest(role, prompt, SamplingParams(max_new_tokens=8, temperature=0)) for role in ROLES]
     mixed = ps.generate(reqs)
     for req, got in zip(reqs, mixed):
         alone = ps.generate([req])[0]
