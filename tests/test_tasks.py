@@ -153,6 +153,16 @@ def test_synthetic_kb_answers_live_only_in_its_corpus():
     assert {t.meta["hops"] for t in tasks} == {1, 2}
 
 
+def test_synthetic_kb_scales_to_thousands_of_people_and_refuses_the_impossible():
+    # 300 people once needed 600 distinct 2-syllable names out of 576 and looped forever.
+    passages, tasks = synthetic_kb(3000, seed=0)
+    people = [t.meta["person"] for t in tasks]
+    assert len(tasks) == 3000 and len(set(people)) == 3000
+    assert len({p.title for p in passages}) == len(passages)
+    with pytest.raises(ValueError, match="ran out of 2-syllable names"):
+        synthetic_kb(10, seed=0, n_cities=600)
+
+
 def test_em_and_f1_hand_computed():
     assert normalize_answer("The  Eiffel-Tower!") == "eiffeltower"
     assert exact_match("the Chief of Protocol", ["Chief of Protocol"]) == 1.0

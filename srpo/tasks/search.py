@@ -177,15 +177,19 @@ def synthetic_kb(n_people: int = 40, *, seed: int = 0, n_cities: int | None = No
     corpus.  Deterministic for a seed.
     """
     rng = random.Random(f"kb-{seed}")
-    n_cities = n_cities or max(4, n_people // 4)
+    n_cities = n_cities or min(200, max(4, n_people // 4))
     used: set[str] = set()
 
     def fresh(parts):
-        while True:
+        # Names are unique across the KB; the space is finite (24^parts), so give up loudly
+        # rather than loop forever when a KB asks for more names than it holds.
+        for _ in range(10_000):
             name = _name(rng, parts)
             if name not in used:
                 used.add(name)
                 return name
+        raise ValueError(f"synthetic_kb: ran out of {parts}-syllable names (n_people={n_people}, "
+                         f"n_cities={n_cities}); use fewer")
 
     countries = [fresh(3) + "ia" for _ in range(max(3, n_cities // 3))]
     cities = {fresh(2): (rng.choice(countries), rng.randint(900, 1900)) for _ in range(n_cities)}
@@ -194,7 +198,12 @@ def synthetic_kb(n_people: int = 40, *, seed: int = 0, n_cities: int | None = No
         passages.append(Passage(f"city-{c}", c, f"{c} is a city in {country}, founded in {year}."))
     city_names = list(cities)
     for i in range(n_people):
-        person = f"{fresh(2)} {fresh(2)}"
+        # A 2-syllable given name (may repeat, like real ones, but never a place name) and a unique
+        # 3-syllable family name: up to thousands of distinct people.
+        given = _name(rng, 2)
+        while given in cities:
+            given = _name(rng, 2)
+        person = f"{given} {fresh(3)}"
         city, job = rng.choice(city_names), rng.choice(_OCCUPATIONS)
         article = "an" if job[0] in "aeiou" else "a"
         passages.append(Passage(f"person-{i}", person, f"{person} is {article} {job} who was born in {city}."))
