@@ -312,3 +312,107 @@ def test_gemma3_base_model_loads_and_its_logprobs_match():
         tf = completion_logprobs(model, batch.input_ids, batch.attention_mask, batch.prompt_length,
                                  action_mask=batch.action_mask)
     assert (tf - batch.behaviour_logprobs).abs().max().item() < BEHAVIOUR_TOL
+
+
+# ------------------------------------------------------------------ the lean decode step vs HF's
+
+def _mixed_prompts(tok, n=6):
+    texts = ["2+2?", "a much longer question, with words", "q", "name a colour please", "7*8", "hi"]
+    return [chat_ids(tok, texts[i % len(texts)]) for i in range(n)]
+
+
+def _mixed_params(n=6):
+    # Different limits and temperatures, one greedy row and one top-p row: rows end at different
+    # steps, so finished rows leave the decode batch mid-way.
+    settings = [SamplingParams(max_new_tokens=20, temperature=1.0), SamplingParams(max_new_tokens=5, temperature=0.7),
+                SamplingParams(max_new_tokens=12, temperature=0), SamplingParams(max_new_tokens=3),
+                SamplingParams(max_new_tokens=16, top_p=0.8, temperature=1.3), SamplingParams(max_new_tokens=9)]
+    return [settings[i % len(settings)] for i in range(n)]
+
+
+@pytest.mark.parametrize("model_name", ["tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_fast_decode_samples_what_hf_samples(model_name, bf16):
+    from srpo.policies.fast_decode import fast_decoder_for
+
+    model, tok = load_model(model_name)
+    model.eval()
+    assert fast_decoder_for(model) is not None
+    prompts, params = _mixed_prompts(tok), _mixed_params()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        fast = sample(model, tok, prompts, params, generator=torch.Generator().manual_seed(3))
+        slow = sample(model, tok, prompts, params, generator=torch.Generator().manual_seed(3), fast_decode=False)
+    assert [s.completion_ids for s in fast] == [s.completion_ids for s in slow]
+    assert [s.finish_reason for s in fast] == [s.finish_reason for s in slow]
+    assert len({len(s.completion_ids) for s in fast}) > 2  # rows really ended at different steps
+    for a, b in zip(fast, slow):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5 if not bf16 else 1e-3)
+
+
+@pytest.mark.parametrize("model_name", ["tiny-llama", "tiny-qwen2"])
+def test_fast_decode_step_logits_equal_hf_forward(model_name):
+    """One step from a left-padded prefill: the lean step's logits are the HF forward's."""
+    from transformers import DynamicCache
+
+    from srpo.policies.fast_decode import fast_decoder_for
+    from srpo.policies.logprobs import cache_keyword, position_ids_from_mask
+
+    model, tok = load_model(model_name)
+    model.eval()
+    prompts = _mixed_prompts(tok, 3)
+    P = max(len(p) for p in prompts)
+    ids = torch.zeros(3, P + 1, dtype=torch.long)
+    attn = torch.zeros(3, P + 1, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p):P] = torch.tensor(p)
+        attn[i, P - len(p):] = 1
+    ids[:, P] = torch.tensor([5, 17, 42])
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn)).logits[:, -1]
+        cache = DynamicCache()
+        model(input_ids=ids[:, :P], attention_mask=attn[:, :P], position_ids=position_ids_from_mask(attn[:, :P]),
+              use_cache=True, **{cache_keyword(model): cache})
+        decoder = fast_decoder_for(model)
+        state = decoder.start(cache, torch.arange(3), capacity=P + 4)
+        step = decoder.step(state, ids[:, P], attn[:, :P].sum(-1), attn.bool())
+    torch.testing.assert_close(step, full, atol=1e-4, rtol=1e-4)
+
+
+def test_fast_decode_sees_weights_changed_in_place_by_fused_adamw():
+    # Fused AdamW leaves tensor version counters alone: any packed copy keyed on them would go
+    # stale.  The lean step must sample what the HF step samples after an optimizer step.
+    model, tok = load_model("tiny-llama")
+    model.eval()
+    prompts, params = _mixed_prompts(tok), _mixed_params()
+    before = sample(model, tok, prompts, params, generator=torch.Generator().manual_seed(4))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    fast = sample(model, tok, prompts, params, generator=torch.Generator().manual_seed(4))
+    slow = sample(model, tok, prompts, params, generator=torch.Generator().manual_seed(4), fast_decode=False)
+    assert [s.completion_ids for s in fast] == [s.completion_ids for s in slow]
+    assert [s.completion_ids for s in fast] != [s.completion_ids for s in before]
+
+
+def test_fast_decode_declines_models_outside_its_family():
+    from srpo.policies.fast_decode import fast_decoder_for
+
+    ps = build_policies("lora", "tiny-llama", ROLES, lora=LoraSettings(r=4, alpha=8))
+    assert fast_decoder_for(ps.model) is None  # PEFT-wrapped: mixed-adapter batches take HF's step
+    model, _ = load_model("tiny-llama")
+    model.config.hidden_act = "gelu"
+    assert fast_decoder_for(model) is None
+
+
+def test_draw_follows_the_weights_and_never_picks_a_zero():
+    from srpo.policies.sampling import draw
+
+    weights = torch.tensor([[0.5, 0.0, 0.3, 0.2, 0.0]]).repeat(20000, 1)
+    got = draw(weights, torch.Generator().manual_seed(0))
+    counts = torch.bincount(got, minlength=5).double() / 20000
+    assert counts[1] == 0 and counts[4] == 0
+    # 4 standard errors of a binomial proportion at n = 20000: ≤ 0.015.
+    torch.testing.assert_close(counts, weights[0].double(), atol=0.015, rtol=0)
+    unnormalised = torch.tensor([[0.0, 0.0, 7.0]])
+    assert draw(unnormalised, torch.Generator().manual_seed(1)).item() == 2
