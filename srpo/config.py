@@ -113,6 +113,10 @@ class TaskConfig:
     eval: list[DataSource] = field(default_factory=list)
     corpus: str = ""
     """Search workflows: a corpus jsonl path, or 'synthetic_kb' (uses the train source's KB)."""
+    reward: str = "exact"
+    """The training reward: exact (1/0 correctness; math or QA exact match) or f1 (QA only: token F1
+    of the answer, a graded signal for models that rarely match exactly).  Evaluation always
+    reports exact-match accuracy (and, for QA, mean F1 too)."""
 
 
 @dataclass
@@ -265,6 +269,9 @@ def _positive(path, value, allow_zero=False):
         raise ConfigError(f"{path}: must be {'≥ 0' if allow_zero else '> 0'}, got {value}")
 
 
+TRAIN_REWARDS = ("exact", "f1")
+
+
 def validate(cfg: Config) -> Config:
     """Check values and their combinations; raise :class:`ConfigError` naming the field."""
     from srpo.methods import METHODS
@@ -276,6 +283,9 @@ def validate(cfg: Config) -> Config:
     _choice("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16"))
     _choice("workflow.name", cfg.workflow.name, sorted(WORKFLOWS))
     _choice("task.kind", cfg.task.kind, ("math", "qa"))
+    _choice("task.reward", cfg.task.reward, TRAIN_REWARDS)
+    if cfg.task.reward == "f1" and cfg.task.kind != "qa":
+        raise ConfigError("task.reward: f1 is a QA reward but task.kind is 'math' (use exact)")
     _choice("method.name", cfg.method.name, sorted(METHODS))
     _choice("method.set_reduction", cfg.method.set_reduction, SET_REDUCTIONS)
     _choice("method.member_reduction", cfg.method.member_reduction, MEMBER_REDUCTIONS)

@@ -1,6 +1,7 @@
 """Evaluation: k samples per problem through the workflow; avg@k, pass@k, macro-averages.
 
-Accuracy is the task reward (1 = correct answer; EM for QA).  avg@k is the mean over problems of
+Accuracy is correctness (1 = correct answer; exact match for QA) whatever reward trained the model;
+QA datasets also report mean token F1.  avg@k is the mean over problems of
 the fraction of the k samples that are correct; pass@k the unbiased estimate with n = k (any of
 the k correct).  Standard errors are over problems.
 """
@@ -18,7 +19,7 @@ import torch
 
 from srpo.tasks.base import Task
 from srpo.tasks.metrics import avg_at_k, macro_average, pass_at_k
-from srpo.tasks.rewards import task_reward
+from srpo.tasks.rewards import qa_f1_reward, task_reward
 from srpo.workflows.runtime import Runtime
 
 
@@ -59,6 +60,8 @@ def evaluate(policies, workflow, role_specs, datasets: dict[str, list[Task]], *,
             f"avg@{k}_stderr": float(np.std(avgs, ddof=1) / math.sqrt(len(avgs))) if len(avgs) > 1 else 0.0,
             f"pass@{k}": float(np.mean(passes)),
             f"pass@{k}_stderr": float(np.std(passes, ddof=1) / math.sqrt(len(passes))) if len(passes) > 1 else 0.0,
+            **({"f1": float(np.mean([qa_f1_reward(ep.task, ep.answer) for ep in episodes]))}
+               if tasks and tasks[0].kind == "qa" else {}),
             "team_tokens": tokens,
             "correct_per_million_tokens": 1e6 * correct / max(tokens, 1),
             "examples": [{"question": episodes[i * k].task.question, "gold": list(episodes[i * k].task.answers),
@@ -75,13 +78,16 @@ def evaluate(policies, workflow, role_specs, datasets: dict[str, list[Task]], *,
 
 def markdown_table(results: dict[str, Any], title: str = "") -> str:
     k = results["k"]
-    lines = [f"### {title}" if title else "", "", f"| dataset | n | avg@{k} | pass@{k} | correct / M team tokens |",
-             "|---|---:|---:|---:|---:|"]
+    lines = [f"### {title}" if title else "", "",
+             f"| dataset | n | avg@{k} | pass@{k} | mean F1 (QA) | correct / M team tokens |",
+             "|---|---:|---:|---:|---:|---:|"]
     for name, d in results["datasets"].items():
+        f1 = f"{d['f1']:.3f}" if "f1" in d else "–"
         lines.append(f"| {name} | {d['n']} | {d[f'avg@{k}']:.3f} ± {d[f'avg@{k}_stderr']:.3f} | "
-                     f"{d[f'pass@{k}']:.3f} ± {d[f'pass@{k}_stderr']:.3f} | {d['correct_per_million_tokens']:.0f} |")
+                     f"{d[f'pass@{k}']:.3f} ± {d[f'pass@{k}_stderr']:.3f} | {f1} | "
+                     f"{d['correct_per_million_tokens']:.0f} |")
     m = results["macro"]
-    lines.append(f"| **macro** | | {m[f'avg@{k}']:.3f} | {m[f'pass@{k}']:.3f} | |")
+    lines.append(f"| **macro** | | {m[f'avg@{k}']:.3f} | {m[f'pass@{k}']:.3f} | | |")
     return "\n".join(lines).strip() + "\n"
 
 

@@ -171,17 +171,22 @@ def _mean_se(values):
 def summarize(records: list[dict], k: int) -> tuple[str, dict]:
     labels = list(dict.fromkeys(r["label"] for r in records))
     datasets = list(dict.fromkeys(d for r in records for d in r["eval"]["datasets"]))
+    # QA datasets also carry mean token F1 (accuracy stays exact match).
+    metrics_of = {d: (f"avg@{k}", f"pass@{k}") + (("f1",) if any("f1" in r["eval"]["datasets"].get(d, {})
+                                                              for r in records) else ())
+                  for d in datasets}
     table = {}
-    lines = ["| cell | seeds | " + " | ".join(f"{d} avg@{k} | {d} pass@{k}" for d in datasets)
+    lines = ["| cell | seeds | " + " | ".join(f"{d} {m}" for d in datasets for m in metrics_of[d])
              + f" | macro avg@{k} | macro pass@{k} |",
-             "|---|---:|" + "---:|" * (2 * len(datasets) + 2)]
+             "|---|---:|" + "---:|" * (sum(len(m) for m in metrics_of.values()) + 2)]
     for label in labels:
         rs = [r for r in records if r["label"] == label]
         row = {"seeds": [r["seed"] for r in rs]}
         cells_text = []
         for d in datasets:
-            for metric in (f"avg@{k}", f"pass@{k}"):
-                m, se = _mean_se([r["eval"]["datasets"][d][metric] for r in rs if d in r["eval"]["datasets"]])
+            for metric in metrics_of[d]:
+                m, se = _mean_se([r["eval"]["datasets"][d][metric] for r in rs
+                                  if metric in r["eval"]["datasets"].get(d, {})])
                 row[f"{d}/{metric}"] = (m, se)
                 cells_text.append(f"{m:.3f} ± {se:.3f}" if se == se else f"{m:.3f}")
         for metric in (f"avg@{k}", f"pass@{k}"):

@@ -41,7 +41,7 @@ from srpo.metrics_log import MetricsLogger
 from srpo.objective import policy_loss
 from srpo.policies.layouts import LoraSettings, PolicySet, build_policies
 from srpo.policies.sampling import SamplingParams
-from srpo.tasks.rewards import task_reward
+from srpo.tasks.rewards import TRAIN_REWARD_FNS
 from srpo.workflows.builtins import build_workflow
 from srpo.workflows.runtime import EpisodeResult, RoleSpec, Runtime
 
@@ -132,7 +132,7 @@ class Trainer:
         }
         # Each rank samples differently; the seed offset keeps ranks' rollouts independent.
         self.rollout_generator = torch.Generator().manual_seed(cfg.run.seed * 1000 + self.dist.rank)
-        self.runtime = Runtime(self.policies, self.role_specs, reward_fn or task_reward, generator=self.rollout_generator,
+        self.runtime = Runtime(self.policies, self.role_specs, reward_fn or TRAIN_REWARD_FNS[cfg.task.reward], generator=self.rollout_generator,
                                max_batch=t.rollout_batch, max_prompt_tokens=cfg.workflow.max_prompt_tokens)
         self.reuse_forward_as_old = True  # see on_policy_single_step; tests turn it off to compare
         self.step = 0

@@ -14,3 +14,16 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture
+def deterministic_threads():
+    """One intra-op thread for tests that demand bit-identical results across runs.
+
+    With several threads, some CPU kernels split their work according to which threads are free, so
+    float sums — and hence parameters after a few steps — can differ in the last bit from one run
+    to the next on a busy machine.  Reproducibility to the bit is a promise for one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -66,7 +66,7 @@ def final_params(trainer):
 
 
 @pytest.mark.parametrize("layout", ["shared", "lora"])
-def test_resume_reaches_the_same_parameters(layout, tmp_path):
+def test_resume_reaches_the_same_parameters(layout, tmp_path, deterministic_threads):
     common = ["workflow.name=parallel_aggregate", "workflow.options={num_workers: 2}", f"model.layout={layout}",
               "model.lora.r=4", "checkpoint.every=1", "run.steps=4", "train.minibatches=2"]
     straight = Trainer(load_config(None, tiny_overrides(tmp_path / "a", common)), progress=False,
@@ -130,7 +130,7 @@ def test_yaml_errors(tmp_path):
         load_config(tmp_path / "missing.yaml")
 
 
-def test_reusing_the_update_forward_as_q_old_equals_a_recompute_pass(tmp_path):
+def test_reusing_the_update_forward_as_q_old_equals_a_recompute_pass(tmp_path, deterministic_threads):
     """With one optimizer step per rollout, q_old = the model the update runs: the trainer reuses
     that forward instead of a separate no-grad pass; the parameters must come out identical."""
     from srpo.events import validate_events
