@@ -416,3 +416,46 @@ def test_draw_follows_the_weights_and_never_picks_a_zero():
     torch.testing.assert_close(counts, weights[0].double(), atol=0.015, rtol=0)
     unnormalised = torch.tensor([[0.0, 0.0, 7.0]])
     assert draw(unnormalised, torch.Generator().manual_seed(1)).item() == 2
+
+
+def test_length_buckets_cut_padding_and_keep_every_row():
+    from srpo.policies.logprobs import length_buckets
+
+    lengths = [64, 3, 60, 5, 64, 30, 4, 33, 62, 6, 31, 2]
+    groups = length_buckets(lengths, max_buckets=4, overhead_tokens=16)
+    assert sorted(r for g in groups for r in g) == list(range(len(lengths)))
+    padded = sum(len(g) * max(lengths[i] for i in g) for g in groups)
+    assert 1 < len(groups) <= 4 and padded < 0.7 * len(lengths) * max(lengths)
+    assert length_buckets([10] * 5) == [[0, 1, 2, 3, 4]]  # equal lengths: one pass
+    assert length_buckets([]) == []
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_length_bucketed_logprobs_equal_plain(share):
+    """Completions from 1 to T tokens (several length groups) with shared and distinct prompts:
+    values and gradients equal the full-logits reference."""
+    model, tok = load_model("tiny-llama")
+    g = torch.Generator().manual_seed(5)
+    P, T = 6, 24
+    lengths = [24, 1, 20, 3, 24, 11, 2, 13, 22, 5]
+    prompts = [torch.randint(0, 250, (n,), generator=g) for n in (6, 3, 5)]
+    rows, attn = [], []
+    for i, n in enumerate(lengths):
+        prompt = prompts[i % 3]
+        pad = P - len(prompt)
+        rows.append(torch.cat([torch.zeros(pad, dtype=torch.long), prompt, torch.randint(0, 250, (T,), generator=g)]))
+        attn.append(torch.cat([torch.zeros(pad), torch.ones(len(prompt) + n), torch.zeros(T - n)]).long())
+    ids, attn = torch.stack(rows), torch.stack(attn)
+    mask = attn[:, P:].float()
+    weights = torch.linspace(-1, 1, ids.shape[0] * T).view(-1, T)
+    results = []
+    for fn, kw in [(completion_logprobs, {"share_prompts": share, "chunk_tokens": 16}), (completion_logprobs_plain, {})]:
+        model.zero_grad()
+        lp = fn(model, ids, attn, P, action_mask=mask, temperature=0.9, **kw)
+        (lp * weights).sum().backward()
+        results.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (a, ga), (b, gb) = results
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert torch.all(a[mask == 0] == 0)
+    for n in ga:
+        torch.testing.assert_close(ga[n], gb[n], atol=1e-5, rtol=1e-4, msg=n)
