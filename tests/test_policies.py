@@ -459,3 +459,47 @@ def test_length_bucketed_logprobs_equal_plain(share):
     assert torch.all(a[mask == 0] == 0)
     for n in ga:
         torch.testing.assert_close(ga[n], gb[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+@pytest.mark.parametrize("model_name", ["tiny-llama", "tiny-qwen2"])
+def test_cpu_float32_attention_equals_eager_attention_with_padding(model_name):
+    """srpo's registered attention must get HF's masks (a custom name without a mask function gets
+    none): left-padded rows give the eager implementation's logits, and under bf16 autocast the
+    attention itself runs in float32."""
+    from srpo.policies.attention import ATTENTION_NAME
+
+    model, tok = load_model(model_name)
+    assert model.config._attn_implementation == ATTENTION_NAME
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 250, (3, 12), generator=g)
+    attn = torch.ones_like(ids)
+    attn[0, :5] = 0
+    attn[2, :2] = 0
+    from srpo.policies.logprobs import position_ids_from_mask
+
+    def logits():
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn)).logits
+        return out[attn.bool()]
+
+    ours = logits()
+    model.set_attn_implementation("eager")
+    eager = logits()
+    torch.testing.assert_close(ours, eager, atol=1e-4, rtol=1e-4)
+    model.set_attn_implementation(ATTENTION_NAME)
+    seen = []
+    from transformers.integrations import sdpa_attention
+
+    original = sdpa_attention.sdpa_attention_forward
+
+    def spy(module, q, k, v, mask, **kw):
+        seen.append((q.dtype, k.dtype, v.dtype, torch.is_autocast_enabled("cpu")))
+        return original(module, q, k, v, mask, **kw)
+
+    sdpa_attention.sdpa_attention_forward = spy
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits()
+    finally:
+        sdpa_attention.sdpa_attention_forward = original
+    assert seen and all(s == (torch.float32, torch.float32, torch.float32, False) for s in seen)

@@ -11,7 +11,8 @@ the same samples from the same generator, in float32 and under bf16 autocast).
 Numerics follow HF under the ambient autocast: the residual stream and the RMS norms stay in the
 parameters' dtype, matmuls run in the autocast dtype, rotary embeddings come from the model's own
 ``rotary_emb`` module (so any rope scaling it implements is honoured), grouped-query attention is
-packed as HF packs it for one-token steps.
+packed as HF packs it for one-token steps, and attention runs in float32 when the model uses
+srpo's CPU attention (:mod:`srpo.policies.attention`), as the HF forward then does.
 
 The step reads the live parameters on every call; nothing is packed or cached across calls.  An
 optimizer updates weights in place without a trace a cache could check (fused AdamW does not even
@@ -25,10 +26,13 @@ sliding-window attention, activations other than SiLU — get ``None`` from
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from srpo.policies.attention import ATTENTION_NAME
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
@@ -72,6 +76,8 @@ class FastDecoder:
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
+        # Follow the model's attention: srpo's CPU float32 SDPA, or HF's SDPA under the ambient autocast.
+        self.float32_attention = getattr(cfg, "_attn_implementation", None) == ATTENTION_NAME
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """LlamaRMSNorm: normalise in float32, scale by the weight in the input's dtype."""
@@ -89,8 +95,9 @@ class FastDecoder:
         for layer in hf_cache.layers:
             k, v = layer.keys, layer.values
             _, Hkv, P, D = k.shape
-            kb = k.new_empty((expand.numel(), Hkv, capacity, D))
-            vb = v.new_empty((expand.numel(), Hkv, capacity, D))
+            # float32 attention reads float32 buffers (values arrive in bf16 under autocast: exact).
+            kb = k.new_empty((expand.numel(), Hkv, capacity, D), dtype=torch.float32 if self.float32_attention else k.dtype)
+            vb = v.new_empty((expand.numel(), Hkv, capacity, D), dtype=torch.float32 if self.float32_attention else v.dtype)
             kb[:, :, :P] = k[expand]
             vb[:, :, :P] = v[expand]
             keys.append(kb)
@@ -128,9 +135,10 @@ class FastDecoder:
             # The G = Hq/Hkv query heads of each key/value head go in as G query positions (HF's
             # pack_gqa for one-token steps): no key/value repeat, and ~5× faster on CPU than
             # SDPA's enable_gqa path at these sizes.
-            out = F.scaled_dot_product_attention(q.view(B, Hkv, Hq // Hkv, D), kb[:, :, :col + 1],
-                                                 vb[:, :, :col + 1], attn_mask=mask,
-                                                 scale=D ** -0.5)  # (B, Hkv, G, D)
+            with torch.autocast(x.device.type, enabled=False) if self.float32_attention else nullcontext():
+                out = F.scaled_dot_product_attention(
+                    (q.float() if self.float32_attention else q).view(B, Hkv, Hq // Hkv, D),
+                    kb[:, :, :col + 1], vb[:, :, :col + 1], attn_mask=mask, scale=D ** -0.5)  # (B, Hkv, G, D)
             x = x + F.linear(out.reshape(B, Hq * D), att.o_proj.weight, att.o_proj.bias)
             h = self._rms(x, layer.post_attention_layernorm.weight)
             gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
