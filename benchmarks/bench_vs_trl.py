@@ -46,6 +46,7 @@ def run_ours(steps: int, threads: int) -> dict:
     trainer.save = lambda: None  # checkpoint writing is not part of a step
     history = trainer.fit()
     return {"step_s": [h["time/step_s"] for h in history],
+            "rollout_s": [h["time/rollout_s"] for h in history], "update_s": [h["time/update_s"] for h in history],
             "completion_tokens": [h["team_tokens"] / (PROMPTS_PER_STEP * SAMPLES) for h in history],
             "reward": [h["reward"] for h in history]}
 
@@ -119,7 +120,9 @@ def main() -> None:
                 raise SystemExit(f"{side} failed:\n{proc.stderr[-3000:]}")
             res = json.loads(line[-1][len("RESULT "):])
             runs[side].append(res)
-            print(f"round {r + 1} {side}: steps {[round(x, 1) for x in res['step_s']]}", flush=True)
+            split = (f" (rollout {[round(x, 1) for x in res['rollout_s']]}, update {[round(x, 1) for x in res['update_s']]})"
+                     if "rollout_s" in res else "")
+            print(f"round {r + 1} {side}: steps {[round(x, 1) for x in res['step_s']]}{split}", flush=True)
     summary = {}
     for side, rs in runs.items():
         steps = [s for r in rs for s in r["step_s"][1:]]  # drop each run's warm-up step
