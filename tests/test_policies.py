@@ -169,9 +169,10 @@ def test_separate_step_changes_only_that_roles_model():
     assert not changed(before["worker"], ps.models["worker"])
 
 
-@pytest.mark.parametrize("model_name", ["tiny-llama", "tiny-qwen2"])
-def test_chunked_logprobs_equal_plain(model_name):
+@pytest.mark.parametrize("model_name, softcap", [("tiny-llama", None), ("tiny-qwen2", None), ("tiny-llama", 3.0)])
+def test_chunked_logprobs_equal_plain(model_name, softcap):
     model, tok = load_model(model_name)
+    model.config.final_logit_softcapping = softcap  # Gemma-style logit softcapping, when set
     g = torch.Generator().manual_seed(0)
     M, P, T = 5, 6, 9
     ids = torch.randint(0, 250, (M, P + T), generator=g)
@@ -182,16 +183,19 @@ def test_chunked_logprobs_equal_plain(model_name):
     mask[2, 4] = 0  # a tool token
     temps = torch.tensor([1.0, 0.7, 1.0, 1.3, 1.0])
     grads = []
-    for fn, kw in [(completion_logprobs, {"chunk_tokens": 7}), (completion_logprobs_plain, {})]:
+    for fn, kw in [(completion_logprobs, {"chunk_tokens": 7, "keep_probs_bytes": 0}),  # recompute in backward
+                   (completion_logprobs, {"chunk_tokens": 7}),  # keep the probabilities
+                   (completion_logprobs_plain, {})]:
         model.zero_grad()
         lp = fn(model, ids, attn, P, action_mask=mask, temperature=temps, **kw)
         (lp * torch.linspace(-1, 1, M * T).view(M, T)).sum().backward()
         grads.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-    (a, ga), (b, gb) = grads
-    assert torch.allclose(a, b, atol=1e-5)
-    assert torch.all(a[mask == 0] == 0)
-    for n in ga:
-        assert torch.allclose(ga[n], gb[n], atol=1e-5, rtol=1e-4), n
+    (a, ga), (k, gk), (b, gb) = grads
+    for x, gx in ((a, ga), (k, gk)):
+        assert torch.allclose(x, b, atol=1e-5)
+        assert torch.all(x[mask == 0] == 0)
+        for n in gx:
+            assert torch.allclose(gx[n], gb[n], atol=1e-5, rtol=1e-4), n
 
 
 @pytest.mark.parametrize("model_name", ["tiny-llama", "tiny-qwen2"])

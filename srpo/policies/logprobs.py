@@ -3,8 +3,10 @@
 A (16, 256) batch over a 49k vocabulary is 16·256·49152·4 B ≈ 0.8 GB of float32 logits, and
 autograd would keep a second copy for log-softmax's backward.  Here the backbone runs once, the
 hidden states of the action positions are gathered, and the vocabulary projection + log-softmax
-run over chunks of ``chunk_tokens`` positions, each under activation checkpointing so that only
-one chunk of logits is alive at a time, in the forward *and* the backward pass.
+run over chunks of ``chunk_tokens`` positions through :class:`_HeadLogProb`, a fused
+projection + log-softmax + gather whose backward recomputes the chunk's logits from the saved
+hidden states and log-normaliser: only one chunk of logits is alive at a time, in the forward
+*and* the backward pass, without autograd's generic recompute of every elementwise step.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import inspect
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -25,18 +26,90 @@ def _softcap(model) -> float | None:
     return getattr(getattr(model, "config", None), "final_logit_softcapping", None)
 
 
-def _chunk_logprobs(hidden, targets, weight, bias, temperature, softcap):
-    """hidden (N, H), targets (N,), temperature float or (N, 1) →
-    (N, 2) float32: log q(target) (with gradient) and the entropy of q (detached)."""
-    logits = F.linear(hidden, weight, bias).float()  # (N, V)
+def _matmul_dtype(device_type: str, fallback: torch.dtype) -> torch.dtype:
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else fallback
+
+
+def _head_logits(hidden, weight, bias, inv_temp, softcap, dtype):
+    """(N, H) → (N, V) float32 logits / temperature (softcapped first when the model says so),
+    and tanh(raw / softcap) for the backward (None without softcap)."""
+    logits = F.linear(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)).float()
+    squashed = None
     if softcap:
-        logits = torch.tanh(logits / softcap) * softcap
-    logits = logits / temperature
-    lse = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
-    with torch.no_grad():
-        entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return torch.stack([logp, entropy], dim=-1)
+        squashed = torch.tanh(logits / softcap)
+        logits = squashed * softcap
+    return logits.mul_(inv_temp), squashed
+
+
+class _HeadLogProb(torch.autograd.Function):
+    """log softmax(W·h / T)[target] for a chunk of positions, and the entropy of that distribution.
+
+    Inputs: hidden (N, H), targets (N,), weight (V, H), bias (V,) or None, inv_temp (N, 1) float32,
+    softcap float or None, dtype of the matmuls.  Outputs: (N,) float32 log-probs (differentiable)
+    and (N,) entropies (not differentiable).  Saves hidden states and the (N,) log-normaliser; the
+    backward recomputes the logits once and forms d/dlogits = g · (onehot − softmax) in place.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, targets, weight, bias, inv_temp, softcap, dtype, keep):
+        logits, squashed = _head_logits(hidden, weight, bias, inv_temp, softcap, dtype)
+        lse = torch.logsumexp(logits, dim=-1)  # (N,)
+        logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+        logits.sub_(lse[:, None])  # now log q over the vocabulary
+        probs = logits.exp()
+        entropy = -(probs * logits).sum(-1)
+        # keep: hold q (and the softcap's tanh) for the backward instead of recomputing the chunk's
+        # logits — one vocabulary matmul less, for the memory of one (N, V) float32 tensor.
+        kept = (probs, squashed) if keep else (None, None)
+        ctx.save_for_backward(hidden, targets, weight, bias, inv_temp, lse, *kept)
+        ctx.softcap, ctx.dtype, ctx.keep = softcap, dtype, keep
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        hidden, targets, weight, bias, inv_temp, lse, probs, squashed = ctx.saved_tensors
+        softcap, dtype = ctx.softcap, ctx.dtype
+        # d logp / d logits = onehot(target) − softmax, times the incoming gradient.
+        if ctx.keep:
+            grad_logits = probs * -grad_logp[:, None]
+        else:
+            grad_logits, squashed = _head_logits(hidden, weight, bias, inv_temp, softcap, dtype)
+            grad_logits.sub_(lse[:, None]).exp_().mul_(-grad_logp[:, None])
+        grad_logits.scatter_add_(-1, targets[:, None], grad_logp[:, None])
+        grad_logits.mul_(inv_temp)  # through the temperature
+        if softcap:
+            grad_logits.mul_(1 - squashed * squashed)  # through softcap · tanh(raw / softcap)
+        g = grad_logits.to(dtype)
+        grad_hidden = (g @ weight.to(dtype)).to(hidden.dtype) if ctx.needs_input_grad[0] else None
+        grad_weight = (g.t() @ hidden.to(dtype)).to(weight.dtype) if ctx.needs_input_grad[2] else None
+        grad_bias = grad_logits.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[3] else None
+        return grad_hidden, None, grad_weight, grad_bias, None, None, None, None
+
+
+def _chunk_logprobs(hidden, targets, weight, bias, temperature, softcap, keep=False):
+    """hidden (N, H), targets (N,), temperature float or (N, 1) →
+    (N, 2) float32: log q(target) (with gradient when enabled) and the entropy of q (detached).
+    keep: hold the chunk's probabilities for the backward instead of recomputing them."""
+    inv_temp = (1.0 / torch.as_tensor(temperature, dtype=torch.float32, device=hidden.device)).reshape(-1, 1)
+    dtype = _matmul_dtype(hidden.device.type, weight.dtype)
+    with torch.autocast(hidden.device.type, enabled=False):  # the matmul dtype is explicit above
+        if torch.is_grad_enabled():
+            logp, entropy = _HeadLogProb.apply(hidden, targets, weight, bias, inv_temp, softcap, dtype, keep)
+        else:
+            logp, entropy = _HeadLogProb.forward(_NoCtx(), hidden, targets, weight, bias, inv_temp, softcap, dtype,
+                                                 False)
+    return torch.stack([logp, entropy.detach()], dim=-1)
+
+
+class _NoCtx:
+    """Stands in for autograd's ctx when the head runs without gradient."""
+
+    def save_for_backward(self, *tensors):
+        pass
+
+    def mark_non_differentiable(self, *tensors):
+        pass
 
 
 def cache_keyword(module) -> str:
@@ -101,6 +174,9 @@ def _prediction_states(model, input_ids, attention_mask, P: int, share_prompts: 
     lengths = attention_mask[:, P:].sum(-1).clamp(min=1).tolist()  # completions are right-padded
     groups = length_buckets(lengths) if T > 0 else [list(range(M))]
     cache_kw = cache_keyword(backbone)
+    # Embed every token once: each backbone call on token ids would give the embedding matrix its
+    # own dense (V, H) gradient to zero-fill and add (~0.1 s each for a 49k × 576 table).
+    embeds = backbone.get_input_embeddings()(input_ids)  # (M, P + T, H)
     prompt_out = None
     if share_prompts and T > 0:
         prompts = input_ids[:, :P] * attention_mask[:, :P] - (1 - attention_mask[:, :P])  # padding → −1
@@ -112,7 +188,7 @@ def _prediction_states(model, input_ids, attention_mask, P: int, share_prompts: 
             first = torch.full((unique.shape[0],), M, dtype=torch.long, device=input_ids.device)
             first = first.scatter_reduce(0, inverse, rows, reduce="amin")  # one row holding each prompt
             prompt_cache = _new_cache(DynamicCache, model)
-            prompt_out = backbone(input_ids=input_ids[first, :P], attention_mask=attention_mask[first, :P],
+            prompt_out = backbone(inputs_embeds=embeds[first, :P], attention_mask=attention_mask[first, :P],
                                   position_ids=positions[first, :P], use_cache=True, **{cache_kw: prompt_cache})
             last_prompt_state = prompt_out.last_hidden_state[:, -1]  # (U, H)
     pieces, order = [], []
@@ -121,7 +197,7 @@ def _prediction_states(model, input_ids, attention_mask, P: int, share_prompts: 
         Lg = max(lengths[i] for i in group)
         if prompt_out is not None:
             cache = _select_cache(prompt_cache, inverse[g], model)
-            out = backbone(input_ids=input_ids[g, P:P + Lg], attention_mask=attention_mask[g, :P + Lg],
+            out = backbone(inputs_embeds=embeds[g, P:P + Lg], attention_mask=attention_mask[g, :P + Lg],
                            position_ids=positions[g, P:P + Lg], use_cache=True, **{cache_kw: cache})
             states = torch.cat([last_prompt_state[inverse[g]][:, None], out.last_hidden_state[:, :Lg - 1]], dim=1)
         else:
@@ -129,7 +205,7 @@ def _prediction_states(model, input_ids, attention_mask, P: int, share_prompts: 
             # which predicts the first completion token).
             used = attention_mask[g, :P].any(0)
             start = min(int(used.nonzero()[0]), P - 1) if bool(used.any()) else P - 1
-            hidden = backbone(input_ids=input_ids[g, start:P + Lg], attention_mask=attention_mask[g, start:P + Lg],
+            hidden = backbone(inputs_embeds=embeds[g, start:P + Lg], attention_mask=attention_mask[g, start:P + Lg],
                               position_ids=positions[g, start:P + Lg]).last_hidden_state
             states = hidden[:, P - 1 - start:P - 1 - start + Lg]
         pieces.append(F.pad(states, (0, 0, 0, T - states.shape[1])))  # (n_g, T, H)
@@ -166,6 +242,7 @@ def completion_logprobs(
     action_mask: torch.Tensor | None = None,
     temperature: float | torch.Tensor = 1.0,
     chunk_tokens: int = 1024,
+    keep_probs_bytes: int = 256 * 2**20,
     return_entropy: bool = False,
     share_prompts: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -181,6 +258,9 @@ def completion_logprobs(
             ``softmax(logits / temperature)``, the distribution the behaviour log-probs were
             recorded under (rows sampled greedily use 1).
         chunk_tokens: positions per vocabulary-projection chunk.
+        keep_probs_bytes: when all selected positions' float32 probabilities fit in this many
+            bytes, the forward keeps them for the backward (one vocabulary matmul less); beyond
+            it, each chunk's logits are recomputed in the backward (memory bounded by one chunk).
         return_entropy: also return the (M, T) entropy of q at each position (detached).
         share_prompts: run each distinct prompt through the model once and continue every
             completion from its prompt's KV cache (the G samples of a task, and the members of
@@ -200,14 +280,12 @@ def completion_logprobs(
     targets = input_ids[:, P:][select]  # (N,)
     softcap = _softcap(model)
     temps = _row_temperatures(temperature, select)  # (N, 1)
+    keep = h.shape[0] * head.weight.shape[0] * 4 <= keep_probs_bytes
     pieces = []
     for start in range(0, h.shape[0], chunk_tokens):
         end = start + chunk_tokens
-        args = (h[start:end], targets[start:end], head.weight, head.bias, temps[start:end], softcap)
-        if torch.is_grad_enabled():
-            pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
-        else:
-            pieces.append(_chunk_logprobs(*args))
+        args = (h[start:end], targets[start:end], head.weight, head.bias, temps[start:end], softcap, keep)
+        pieces.append(_chunk_logprobs(*args))
     flat = torch.cat(pieces) if pieces else h.new_zeros((0, 2), dtype=torch.float32)  # (N, 2)
     zeros = torch.zeros(select.shape, dtype=torch.float32, device=input_ids.device)
     logprobs = zeros.masked_scatter(select, flat[:, 0])
