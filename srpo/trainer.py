@@ -325,8 +325,13 @@ class Trainer:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 self.dist.sum_(p.grad)
-        finite = bool(torch.isfinite(loss)) and all(
-            bool(torch.isfinite(p.grad).all()) for pid in self.policies.policy_ids for p in self.policies.parameters(pid))
+        # Clip first: the total norm is non-finite exactly when some gradient is (or the norm
+        # overflows float32, which counts as exploded too) — no separate pass over every gradient.
+        # A skipped step throws the clipped gradients away.
+        max_norm = self.cfg.train.max_grad_norm if self.cfg.train.max_grad_norm > 0 else float("inf")
+        norms = {pid: torch.nn.utils.clip_grad_norm_(self.policies.parameters(pid), max_norm)
+                 for pid in self.policies.policy_ids}
+        finite = bool(torch.isfinite(loss)) and all(bool(torch.isfinite(n)) for n in norms.values())
         finite = self.dist.sum_int(int(not finite)) == 0
         if not finite:
             for opt in self.optimizers.values():
@@ -337,10 +342,7 @@ class Trainer:
             return 1
         self.nonfinite_in_a_row = 0
         for pid, opt in self.optimizers.items():
-            params = self.policies.parameters(pid)
-            norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.max_grad_norm if self.cfg.train.max_grad_norm > 0
-                                                  else float("inf"))
-            grad_norms[pid] = float(norm)
+            grad_norms[pid] = float(norms[pid])
             opt.step()
             opt.zero_grad(set_to_none=True)
             self.policies.bump_version(pid)
