@@ -108,3 +108,52 @@ def write_summary(run_dir: Path) -> Path:
     out = run_dir / "report.md"
     out.write_text("\n".join(lines) + "\n")
     return out
+
+
+def plot_study(root: Path, records: list[dict], k: int) -> Path | None:
+    """``root/results.png``: held-out avg@k per cell (mean ± standard error over seeds, one bar
+    group per dataset) and the training reward per step (mean over seeds, 3-step moving average)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(r["label"] for r in records))
+    datasets = list(dict.fromkeys(d for r in records for d in r["eval"]["datasets"]))
+    if not labels or not datasets:
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    width = 0.8 / len(datasets)
+    for j, d in enumerate(datasets):
+        means, errs = [], []
+        for label in labels:
+            vals = [r["eval"]["datasets"][d][f"avg@{k}"] for r in records
+                    if r["label"] == label and d in r["eval"]["datasets"]]
+            mean = sum(vals) / len(vals) if vals else float("nan")
+            sd = (sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5 if len(vals) > 1 else 0.0
+            means.append(mean)
+            errs.append(sd / len(vals) ** 0.5 if len(vals) > 1 else 0.0)
+        xs = [i + (j - (len(datasets) - 1) / 2) * width for i in range(len(labels))]
+        left.bar(xs, means, width, yerr=errs, capsize=3, label=d)
+    left.set_xticks(range(len(labels)))
+    left.set_xticklabels([label.replace(" workflow)", ")") for label in labels], rotation=30, ha="right", fontsize=8)
+    left.set_ylabel(f"held-out avg@{k}")
+    left.set_title(f"Held-out accuracy (mean ± SE over seeds)")
+    left.legend(fontsize=8)
+    for label in labels:
+        runs = [read_metrics(Path(root) / label / f"seed{r['seed']}") for r in records if r["label"] == label]
+        runs = [rows for rows in runs if rows]
+        if not runs:
+            continue  # an untrained reference has no training curve
+        steps = min(len(rows) for rows in runs)
+        mean = [sum(rows[i].get("reward", 0.0) for rows in runs) / len(runs) for i in range(steps)]
+        right.plot(range(1, steps + 1), _smooth(mean, 3), label=f"{label} ({len(runs)} seeds)")
+    right.set_xlabel("step")
+    right.set_ylabel("training reward")
+    right.set_title("Training reward (mean over seeds, 3-step average)")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(root) / "results.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

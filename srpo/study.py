@@ -246,6 +246,9 @@ def write_results(root: Path, records: list[dict], spec: dict) -> None:
     text, table = summarize(records, k)
     (root / "results.md").write_text(f"# Study: {root.name}\n\n{spec.get('description', '')}\n\n{text}")
     (root / "results.json").write_text(json.dumps({"table": table, "cells": records}, indent=1, default=str))
+    from srpo.report import plot_study
+
+    plot_study(root, records, k)
 
 
 def add_study_parser(sub) -> None:

@@ -31,6 +31,8 @@ def test_study_runs_tabulates_and_resumes(tmp_path, monkeypatch):
     assert len(data["cells"]) == 5, "4 trained cells + the untrained starting point of their one workflow"
     assert "| untrained (srpo workflow) | 1 |" in text
     assert all("grad_norm" in c["diagnostics"] for c in data["cells"] if not c["label"].startswith("untrained"))
+    png = tmp_path / "out" / "results.png"  # accuracy bars + training-reward curves
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     # Running it again re-uses every finished cell (no training: the trainer must not be built).
     import srpo.trainer
 
