@@ -138,7 +138,7 @@ def plot_study(root: Path, records: list[dict], k: int) -> Path | None:
     left.set_xticks(range(len(labels)))
     left.set_xticklabels([label.replace(" workflow)", ")") for label in labels], rotation=30, ha="right", fontsize=8)
     left.set_ylabel(f"held-out avg@{k}")
-    left.set_title(f"Held-out accuracy (mean ± SE over seeds)")
+    left.set_title("Held-out accuracy (mean ± SE over seeds)")
     left.legend(fontsize=8)
     for label in labels:
         runs = [read_metrics(Path(root) / label / f"seed{r['seed']}") for r in records if r["label"] == label]
