@@ -92,8 +92,16 @@ def run_cell(spec: dict, cell: dict, root: Path, progress: bool = True, train: b
 
     run_dir = root / cell["label"] / f"seed{cell['seed']}"
     done = run_dir / "cell.json"
+    # What a finished cell was run with: reusing it under a changed recipe or evaluation would
+    # silently mix old and new results in one table.
+    recipe = {"overrides": cell["overrides"], "base": spec.get("base"), "eval": spec["eval"], "train": train}
     if done.is_file():
-        return json.loads(done.read_text())
+        record = json.loads(done.read_text())
+        if record.get("recipe", recipe) != recipe:
+            raise ConfigError(
+                f"{done}: this cell finished under a different recipe or evaluation than the study file now "
+                f"asks for; use a new output_dir (or delete the cell's folder to re-run it)")
+        return record
     cfg = cell_config(spec, cell, run_dir)
     started = time.perf_counter()
     trainer = Trainer(cfg, progress=progress)
@@ -114,7 +122,7 @@ def run_cell(spec: dict, cell: dict, root: Path, progress: bool = True, train: b
                            progress=progress)
     run_dir.mkdir(parents=True, exist_ok=True)
     record = {**cell, "eval": results, "diagnostics": diagnostics(run_dir) if train else {},
-              "minutes": (time.perf_counter() - started) / 60}
+              "minutes": (time.perf_counter() - started) / 60, "recipe": recipe}
     done.write_text(json.dumps(record, indent=1))
     return record
 

@@ -2,8 +2,10 @@
 
 import json
 
+import pytest
 import yaml
 
+from srpo.config import ConfigError
 from srpo.study import run_study
 
 
@@ -39,3 +41,9 @@ def test_study_runs_tabulates_and_resumes(tmp_path, monkeypatch):
     monkeypatch.setattr(srpo.trainer, "Trainer", None)
     run_study(study, progress=False)
     assert json.loads((tmp_path / "out" / "results.json").read_text())["table"] == data["table"]
+    # A changed evaluation must not silently reuse cells evaluated the old way.
+    spec = yaml.safe_load(study.read_text())
+    spec["eval"]["datasets"].append({"source": "synthetic_arithmetic", "level": 1, "n": 3, "seed": 9, "name": "b"})
+    study.write_text(yaml.safe_dump(spec))
+    with pytest.raises(ConfigError, match="different recipe or evaluation"):
+        run_study(study, progress=False)
