@@ -76,8 +76,10 @@ class FastDecoder:
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
-        # Follow the model's attention: srpo's CPU float32 SDPA, or HF's SDPA under the ambient autocast.
-        self.float32_attention = getattr(cfg, "_attn_implementation", None) == ATTENTION_NAME
+        # Follow the model's attention: srpo's float32 SDPA (which it applies on CPU only), or HF's
+        # SDPA under the ambient autocast.
+        device = next(model.parameters()).device
+        self.float32_attention = getattr(cfg, "_attn_implementation", None) == ATTENTION_NAME and device.type == "cpu"
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """LlamaRMSNorm: normalise in float32, scale by the weight in the input's dtype."""
