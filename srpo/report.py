@@ -118,6 +118,8 @@ def plot_study(root: Path, records: list[dict], k: int) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from srpo.study import mean_se
+
     labels = list(dict.fromkeys(r["label"] for r in records))
     datasets = list(dict.fromkeys(d for r in records for d in r["eval"]["datasets"]))
     if not labels or not datasets:
@@ -127,12 +129,10 @@ def plot_study(root: Path, records: list[dict], k: int) -> Path | None:
     for j, d in enumerate(datasets):
         means, errs = [], []
         for label in labels:
-            vals = [r["eval"]["datasets"][d][f"avg@{k}"] for r in records
-                    if r["label"] == label and d in r["eval"]["datasets"]]
-            mean = sum(vals) / len(vals) if vals else float("nan")
-            sd = (sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5 if len(vals) > 1 else 0.0
+            mean, se = mean_se([r["eval"]["datasets"][d][f"avg@{k}"] for r in records
+                                 if r["label"] == label and d in r["eval"]["datasets"]])
             means.append(mean)
-            errs.append(sd / len(vals) ** 0.5 if len(vals) > 1 else 0.0)
+            errs.append(se if se == se else 0.0)  # one seed: no error bar
         xs = [i + (j - (len(datasets) - 1) / 2) * width for i in range(len(labels))]
         left.bar(xs, means, width, yerr=errs, capsize=3, label=d)
     left.set_xticks(range(len(labels)))

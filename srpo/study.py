@@ -166,7 +166,7 @@ def diagnostics(run_dir: Path) -> dict[str, Any]:
     return out
 
 
-def _mean_se(values):
+def mean_se(values):
     if not values:
         return float("nan"), float("nan")
     mean = sum(values) / len(values)
@@ -193,12 +193,12 @@ def summarize(records: list[dict], k: int) -> tuple[str, dict]:
         cells_text = []
         for d in datasets:
             for metric in metrics_of[d]:
-                m, se = _mean_se([r["eval"]["datasets"][d][metric] for r in rs
+                m, se = mean_se([r["eval"]["datasets"][d][metric] for r in rs
                                   if metric in r["eval"]["datasets"].get(d, {})])
                 row[f"{d}/{metric}"] = (m, se)
                 cells_text.append(f"{m:.3f} ± {se:.3f}" if se == se else f"{m:.3f}")
         for metric in (f"avg@{k}", f"pass@{k}"):
-            m, se = _mean_se([r["eval"]["macro"][metric] for r in rs])
+            m, se = mean_se([r["eval"]["macro"][metric] for r in rs])
             row[f"macro/{metric}"] = (m, se)
             cells_text.append(f"{m:.3f} ± {se:.3f}" if se == se else f"{m:.3f}")
         table[label] = row

@@ -4,9 +4,10 @@ A (16, 256) batch over a 49k vocabulary is 16·256·49152·4 B ≈ 0.8 GB of flo
 autograd would keep a second copy for log-softmax's backward.  Here the backbone runs once, the
 hidden states of the action positions are gathered, and the vocabulary projection + log-softmax
 run over chunks of ``chunk_tokens`` positions through :class:`_HeadLogProb`, a fused
-projection + log-softmax + gather whose backward recomputes the chunk's logits from the saved
-hidden states and log-normaliser: only one chunk of logits is alive at a time, in the forward
-*and* the backward pass, without autograd's generic recompute of every elementwise step.
+projection + log-softmax + gather whose backward either reuses the probabilities kept from the
+forward (when they fit in ``keep_probs_bytes``) or recomputes one chunk's logits from the saved
+hidden states and log-normaliser: memory stays bounded by one chunk of logits, without autograd's
+generic recompute of every elementwise step.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ class _HeadLogProb(torch.autograd.Function):
 
     Inputs: hidden (N, H), targets (N,), weight (V, H), bias (V,) or None, inv_temp (N, 1) float32,
     softcap float or None, dtype of the matmuls.  Outputs: (N,) float32 log-probs (differentiable)
-    and (N,) entropies (not differentiable).  Saves hidden states and the (N,) log-normaliser; the
-    backward recomputes the logits once and forms d/dlogits = g · (onehot − softmax) in place.
+    and (N,) entropies (not differentiable).  Saves hidden states and the (N,) log-normaliser, and
+    with ``keep`` the chunk's probabilities too; the backward uses those or recomputes the logits
+    once, and forms d/dlogits = g · (onehot − softmax) in place.
     """
 
     @staticmethod
@@ -93,23 +95,12 @@ def _chunk_logprobs(hidden, targets, weight, bias, temperature, softcap, keep=Fa
     keep: hold the chunk's probabilities for the backward instead of recomputing them."""
     inv_temp = (1.0 / torch.as_tensor(temperature, dtype=torch.float32, device=hidden.device)).reshape(-1, 1)
     dtype = _matmul_dtype(hidden.device.type, weight.dtype)
+    # Without gradient nothing holds the Function's context, so keeping probabilities costs nothing
+    # beyond this call; with gradient they are held until the backward.
+    keep = keep and torch.is_grad_enabled()
     with torch.autocast(hidden.device.type, enabled=False):  # the matmul dtype is explicit above
-        if torch.is_grad_enabled():
-            logp, entropy = _HeadLogProb.apply(hidden, targets, weight, bias, inv_temp, softcap, dtype, keep)
-        else:
-            logp, entropy = _HeadLogProb.forward(_NoCtx(), hidden, targets, weight, bias, inv_temp, softcap, dtype,
-                                                 False)
+        logp, entropy = _HeadLogProb.apply(hidden, targets, weight, bias, inv_temp, softcap, dtype, keep)
     return torch.stack([logp, entropy.detach()], dim=-1)
-
-
-class _NoCtx:
-    """Stands in for autograd's ctx when the head runs without gradient."""
-
-    def save_for_backward(self, *tensors):
-        pass
-
-    def mark_non_differentiable(self, *tensors):
-        pass
 
 
 def cache_keyword(module) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from srpo.tasks.base import Task
 from srpo.tasks.math import grade_math
-from srpo.tasks.search import extract_tagged_answer, grade_qa, token_f1
+from srpo.tasks.search import answer_text, grade_qa, token_f1
 
 
 def task_reward(task: Task, answer: str) -> float:
@@ -19,8 +19,7 @@ def qa_f1_reward(task: Task, answer: str) -> float:
     """QA: token F1 of the ``<answer>`` content (or the whole text) against the best gold answer."""
     if task.kind != "qa":
         raise ValueError(f"the f1 reward is for QA tasks, not {task.kind!r}")
-    tagged = extract_tagged_answer(answer)
-    return token_f1(tagged if tagged is not None else (answer or ""), task.answers)
+    return token_f1(answer_text(answer), task.answers)
 
 
 TRAIN_REWARD_FNS = {"exact": task_reward, "f1": qa_f1_reward}

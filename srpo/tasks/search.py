@@ -115,10 +115,15 @@ def extract_tagged_answer(text: str) -> str | None:
     return found[-1].strip() if found else None
 
 
+def answer_text(text: str) -> str:
+    """What a QA reply answers: its tagged ``<answer>`` content, or the whole text when untagged."""
+    answer = extract_tagged_answer(text)
+    return answer if answer is not None else (text or "")
+
+
 def grade_qa(text: str, golds: Sequence[str]) -> float:
     """EM of the tagged answer (or of the whole text when untagged) against the gold answers."""
-    answer = extract_tagged_answer(text)
-    return exact_match(answer if answer is not None else (text or ""), golds)
+    return exact_match(answer_text(text), golds)
 
 
 # ------------------------------------------------------------------------------------- loaders
