@@ -382,6 +382,44 @@ def test_fast_decode_step_logits_equal_hf_forward(model_name):
     torch.testing.assert_close(step, full, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_packed_projections_give_the_plain_step_logits(bf16):
+    """Weights packed once per sampling call (oneDNN layout): bf16 bit-exact, float32 to rounding."""
+    from transformers import DynamicCache
+
+    from srpo.policies.fast_decode import fast_decoder_for
+    from srpo.policies.logprobs import cache_keyword, position_ids_from_mask
+
+    model, tok = load_model("tiny-qwen2")  # q/k/v biases: the packed call must add them too
+    model.eval()
+    with torch.no_grad():  # they start at zero, which would hide a dropped bias
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    prompts = _mixed_prompts(tok, 3)
+    P = max(len(p) for p in prompts)
+    ids = torch.zeros(3, P, dtype=torch.long)
+    attn = torch.zeros(3, P, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p):] = torch.tensor(p)
+        attn[i, P - len(p):] = 1
+    decoder = fast_decoder_for(model)
+    steps = {}
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        for pack in (False, True):
+            cache = DynamicCache()
+            model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn),
+                  use_cache=True, **{cache_keyword(model): cache})
+            state = decoder.start(cache, torch.arange(3), capacity=P + 4, pack_weights=pack)
+            assert (state.linears is not None) == pack
+            valid = torch.cat([attn, torch.ones(3, 1, dtype=torch.long)], 1).bool()
+            steps[pack] = decoder.step(state, torch.tensor([5, 17, 42]), attn.sum(-1), valid)
+    if bf16:
+        assert torch.equal(steps[True], steps[False])
+    else:
+        torch.testing.assert_close(steps[True], steps[False], atol=1e-5, rtol=1e-5)
+
+
 def test_fast_decode_sees_weights_changed_in_place_by_fused_adamw():
     # Fused AdamW leaves tensor version counters alone: any packed copy keyed on them would go
     # stale.  The lean step must sample what the HF step samples after an optimizer step.

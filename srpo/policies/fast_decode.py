@@ -14,10 +14,15 @@ parameters' dtype, matmuls run in the autocast dtype, rotary embeddings come fro
 packed as HF packs it for one-token steps, and attention runs in float32 when the model uses
 srpo's CPU attention (:mod:`srpo.policies.attention`), as the HF forward then does.
 
-The step reads the live parameters on every call; nothing is packed or cached across calls.  An
-optimizer updates weights in place without a trace a cache could check (fused AdamW does not even
-bump tensor version counters), so a packed copy could silently go stale.  Under autocast each
-weight is cast once per autocast region by autocast's own weight-cast cache, as in the HF forward.
+Nothing is cached across sampling calls: an optimizer updates weights in place without a trace a
+cache could check (fused AdamW does not even bump tensor version counters), so a copy kept from
+one call to the next could silently go stale.  *Within* one call the weights cannot change, so on
+CPU :meth:`FastDecoder.start` may pack every projection once into oneDNN's blocked layout
+(:class:`PackedLinears`): a small-batch matmul then skips the weight reorder oneDNN otherwise does
+on every call — at batch 16 on SmolLM2-135M the layer matmuls of one token step took 25 → 16 ms
+and the vocabulary head 5.9 → 3.2 ms, against ~0.12 s to pack once per call.  Under bf16 autocast
+the packed bf16 matmul gives the same bits as autocast's ``F.linear``; in float32 oneDNN's
+summation order differs from MKL's in the last bits.
 
 Models outside the family — other architectures, PEFT-wrapped models (mixed-adapter batches),
 sliding-window attention, activations other than SiLU — get ``None`` from
@@ -52,13 +57,43 @@ def _supported(model) -> bool:
             and hasattr(model, "lm_head"))
 
 
+def _can_pack(device: torch.device) -> bool:
+    mkldnn = torch.ops.mkldnn
+    return (device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and hasattr(mkldnn, "_reorder_linear_weight") and hasattr(mkldnn, "_linear_pointwise"))
+
+
+class PackedLinears:
+    """Every projection of the model packed once into oneDNN's layout, for one sampling call.
+
+    ``dtype`` is the matmul dtype: the autocast dtype under CPU autocast, else the weights' own.
+    Inputs are cast to it, as autocast casts them for ``F.linear``.
+    """
+
+    def __init__(self, modules, dtype: torch.dtype, batch_hint: int):
+        self.dtype = dtype
+        self.packed = {}
+        for m in modules:
+            w = m.weight.detach().to(dtype)
+            b = None if m.bias is None else m.bias.detach().to(dtype)
+            self.packed[id(m)] = (torch.ops.mkldnn._reorder_linear_weight(w, batch_hint), b)
+
+    def __call__(self, x: torch.Tensor, module) -> torch.Tensor:
+        w, b = self.packed[id(module)]
+        return torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), w, b, "none", [], "")
+
+
 @dataclass
 class DecodeState:
-    """Static KV buffers, one (B, Hkv, capacity, D) pair per layer, filled up to ``length`` columns."""
+    """Static KV buffers, one (B, Hkv, capacity, D) pair per layer, filled up to ``length`` columns.
+
+    ``linears``: the call's packed projections, or None for plain ``F.linear`` on the live weights.
+    """
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     length: int
+    linears: PackedLinears | None = None
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Drop finished rows: later steps compute only for the rows still sampling."""
@@ -87,11 +122,32 @@ class FastDecoder:
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * x32.to(x.dtype)
 
-    def start(self, hf_cache, expand: torch.Tensor, capacity: int) -> DecodeState:
+    def _projections(self):
+        model = self.model.model
+        for layer in model.layers:
+            att, mlp = layer.self_attn, layer.mlp
+            yield from (att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        yield self.model.lm_head
+
+    def _pack(self, batch: int) -> PackedLinears | None:
+        """Pack the projections for this call when oneDNN can and the matmul dtype allows it."""
+        weight = self.model.lm_head.weight
+        if not _can_pack(weight.device):
+            return None
+        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else weight.dtype
+        if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return None
+        if dtype not in (torch.float32, torch.bfloat16):
+            return None
+        return PackedLinears(self._projections(), dtype, batch)
+
+    def start(self, hf_cache, expand: torch.Tensor, capacity: int, *, pack_weights: bool = False) -> DecodeState:
         """Copy a prefill's HF cache into static buffers of ``capacity`` columns.
 
         hf_cache: the DynamicCache of the prefill over U distinct prompts, (U, Hkv, P, D) per layer.
         expand: (B,) which distinct prompt each row continues.
+        pack_weights: pack the projections for this call (:class:`PackedLinears`) — worth it when
+            the call runs more than a few token steps; ignored where oneDNN cannot.
         """
         keys, values = [], []
         for layer in hf_cache.layers:
@@ -104,7 +160,8 @@ class FastDecoder:
             vb[:, :, :P] = v[expand]
             keys.append(kb)
             values.append(vb)
-        return DecodeState(keys=keys, values=values, length=P)
+        linears = self._pack(expand.numel()) if pack_weights else None
+        return DecodeState(keys=keys, values=values, length=P, linears=linears)
 
     @torch.no_grad()
     def step(self, state: DecodeState, tokens: torch.Tensor, positions: torch.Tensor,
@@ -124,12 +181,13 @@ class FastDecoder:
         cos, sin = model.rotary_emb(x[:, None], positions[:, None])  # (B, 1, D) each
         cos, sin = cos[:, None], sin[:, None]  # (B, 1, 1, D): broadcast over heads
         mask = valid[:, None, None, :col + 1]  # (B, 1, 1, col + 1)
+        linear = state.linears or (lambda h, m: F.linear(h, m.weight, m.bias))
         for layer, kb, vb in zip(model.layers, state.keys, state.values):
             att, mlp = layer.self_attn, layer.mlp
             h = self._rms(x, layer.input_layernorm.weight)
-            q = F.linear(h, att.q_proj.weight, att.q_proj.bias).view(B, Hq, 1, D)
-            k = F.linear(h, att.k_proj.weight, att.k_proj.bias).view(B, Hkv, 1, D)
-            v = F.linear(h, att.v_proj.weight, att.v_proj.bias).view(B, Hkv, 1, D)
+            q = linear(h, att.q_proj).view(B, Hq, 1, D)
+            k = linear(h, att.k_proj).view(B, Hkv, 1, D)
+            v = linear(h, att.v_proj).view(B, Hkv, 1, D)
             q = q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
             k = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
             kb[:, :, col:col + 1] = k
@@ -141,14 +199,14 @@ class FastDecoder:
                 out = F.scaled_dot_product_attention(
                     (q.float() if self.float32_attention else q).view(B, Hkv, Hq // Hkv, D),
                     kb[:, :, :col + 1], vb[:, :, :col + 1], attn_mask=mask, scale=D ** -0.5)  # (B, Hkv, G, D)
-            x = x + F.linear(out.reshape(B, Hq * D), att.o_proj.weight, att.o_proj.bias)
+            x = x + linear(out.reshape(B, Hq * D), att.o_proj)
             h = self._rms(x, layer.post_attention_layernorm.weight)
-            gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
-            up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
-            x = x + F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+            gate = linear(h, mlp.gate_proj)
+            up = linear(h, mlp.up_proj)
+            x = x + linear(F.silu(gate) * up, mlp.down_proj)
         state.length = col + 1
         h = self._rms(x, model.norm.weight)
-        return F.linear(h, self.model.lm_head.weight, self.model.lm_head.bias)
+        return linear(h, self.model.lm_head)
 
 
 def fast_decoder_for(model) -> FastDecoder | None:
