@@ -2,7 +2,9 @@
 
 Single-agent GRPO on the embedded SmolLM2-135M-Instruct, synthetic two-digit addition, 2 prompts ×
 8 samples per step, at most 64 new tokens, temperature 1, one optimizer step per batch, learning
-rate 1e-5, seed 0.  srpo runs the `single` workflow with the `grpo` loss; TRL runs
+rate 1e-5, seed 0.  srpo runs the `single` workflow with the `grpo` loss — as configured by
+default, and again with ``train.skip_zero_advantage: false`` (every event forwarded in the update,
+as TRL does, even those whose advantage is exactly 0 and whose gradient is therefore 0); TRL runs
 `GRPOTrainer(use_cpu=True, loss_type="grpo", bf16=True)` — its best working CPU setting.  Each
 side runs in its own subprocess, alternately, `--rounds` times; the first step of every run is a
 warm-up and is not counted.  Needs `pip install trl==1.16.0` (not a dependency of srpo).
@@ -24,7 +26,7 @@ import time
 PROMPTS_PER_STEP, SAMPLES, MAX_NEW, LR, SEED = 2, 8, 64, 1e-5, 0
 
 
-def run_ours(steps: int, threads: int) -> dict:
+def run_ours(steps: int, threads: int, skip_zero_advantage: bool = True) -> dict:
     import torch
 
     torch.set_num_threads(threads)
@@ -39,7 +41,8 @@ def run_ours(steps: int, threads: int) -> dict:
         "workflow": {"name": "single", "max_new_tokens": MAX_NEW, "temperature": 1.0, "roles": {"solver": {"system": ""}}},
         "task": {"kind": "math", "train": {"source": "synthetic_arithmetic", "level": 2, "n": 1000, "seed": SEED}},
         "method": {"name": "grpo"},
-        "train": {"tasks_per_step": PROMPTS_PER_STEP, "group_size": SAMPLES, "lr": LR, "max_grad_norm": 1.0},
+        "train": {"tasks_per_step": PROMPTS_PER_STEP, "group_size": SAMPLES, "lr": LR, "max_grad_norm": 1.0,
+                  "skip_zero_advantage": skip_zero_advantage},
         "checkpoint": {"every": 0}, "log": {"tensorboard": False},
     })
     trainer = Trainer(cfg, progress=False)
@@ -48,7 +51,8 @@ def run_ours(steps: int, threads: int) -> dict:
     return {"step_s": [h["time/step_s"] for h in history],
             "rollout_s": [h["time/rollout_s"] for h in history], "update_s": [h["time/update_s"] for h in history],
             "completion_tokens": [h["team_tokens"] / (PROMPTS_PER_STEP * SAMPLES) for h in history],
-            "reward": [h["reward"] for h in history]}
+            "reward": [h["reward"] for h in history],
+            "zero_advantage_skipped": [h["update/zero_advantage_skipped"] for h in history]}
 
 
 def run_trl(steps: int, threads: int) -> dict:
@@ -97,22 +101,30 @@ def run_trl(steps: int, threads: int) -> dict:
     return {"step_s": timer.times, "completion_tokens": lengths, "reward": rewards}
 
 
+SIDES = {
+    "ours": ("srpo (single + grpo)", run_ours),
+    "ours_forward_all": ("srpo, every event forwarded (`skip_zero_advantage: false`)",
+                         lambda steps, threads: run_ours(steps, threads, skip_zero_advantage=False)),
+    "trl": ("TRL 1.16 GRPOTrainer (bf16)", run_trl),
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--child", choices=["ours", "trl"])
+    ap.add_argument("--child", choices=list(SIDES))
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if args.child:
-        res = (run_ours if args.child == "ours" else run_trl)(args.steps, args.threads)
+        res = SIDES[args.child][1](args.steps, args.threads)
         print("RESULT " + json.dumps(res))
         return
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    runs: dict[str, list[dict]] = {"ours": [], "trl": []}
+    runs: dict[str, list[dict]] = {side: [] for side in SIDES}
     for r in range(args.rounds):
-        for side in ("ours", "trl"):
+        for side in SIDES:
             proc = subprocess.run([sys.executable, __file__, "--child", side, "--steps", str(args.steps),
                                    "--threads", str(args.threads)], capture_output=True, text=True, env=env)
             line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
@@ -127,18 +139,26 @@ def main() -> None:
     for side, rs in runs.items():
         steps = [s for r in rs for s in r["step_s"][1:]]  # drop each run's warm-up step
         tokens = [t for r in rs for t in r["completion_tokens"]]
+        rewards = [x for r in rs for x in r["reward"]]
         summary[side] = {"median_step_s": statistics.median(steps), "steps_counted": len(steps),
-                         "mean_completion_tokens": statistics.mean(tokens) if tokens else float("nan")}
-    ratio = summary["trl"]["median_step_s"] / summary["ours"]["median_step_s"]
+                         "mean_completion_tokens": statistics.mean(tokens) if tokens else float("nan"),
+                         "mean_reward": statistics.mean(rewards) if rewards else float("nan")}
+        if "zero_advantage_skipped" in rs[0]:
+            skipped = [x for r in rs for x in r["zero_advantage_skipped"]]
+            summary[side]["events_skipped_fraction"] = sum(skipped) / (len(skipped) * PROMPTS_PER_STEP * SAMPLES)
+    ratios = {side: summary["trl"]["median_step_s"] / summary[side]["median_step_s"] for side in SIDES if side != "trl"}
     print(f"\ntorch threads {args.threads}; {os.cpu_count()} CPUs; {args.rounds} rounds × {args.steps} steps each\n")
-    print("| trainer | median s/step | steps counted | mean completion tokens |\n|---|---:|---:|---:|")
-    for side, name in (("ours", "srpo (single + grpo)"), ("trl", "TRL 1.16 GRPOTrainer (bf16)")):
+    print("| trainer | median s/step | TRL / this | steps counted | mean completion tokens | mean reward "
+          "| events skipped (advantage 0) |\n|---|---:|---:|---:|---:|---:|---:|")
+    for side, (name, _) in SIDES.items():
         s = summary[side]
-        print(f"| {name} | {s['median_step_s']:.1f} | {s['steps_counted']} | {s['mean_completion_tokens']:.1f} |")
-    print(f"\nspeed-up: {ratio:.2f}× (TRL median / srpo median)")
+        skipped = f"{100 * s['events_skipped_fraction']:.0f} %" if "events_skipped_fraction" in s else "—"
+        ratio = f"{ratios[side]:.2f}×" if side in ratios else "1"
+        print(f"| {name} | {s['median_step_s']:.1f} | {ratio} | {s['steps_counted']} | "
+              f"{s['mean_completion_tokens']:.1f} | {s['mean_reward']:.3f} | {skipped} |")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"summary": summary, "ratio": ratio, "runs": runs}, f, indent=1)
+            json.dump({"summary": summary, "ratios": ratios, "runs": runs, "threads": args.threads}, f, indent=1)
 
 
 if __name__ == "__main__":

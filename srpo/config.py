@@ -157,6 +157,12 @@ class TrainConfig:
     """Positions per vocabulary-projection chunk in the log-prob pass."""
     rollout_batch: int = 256
     """Most generation requests per model call."""
+    skip_zero_advantage: bool = True
+    """Leave events whose advantage is exactly 0 out of the update's forward and backward: their
+    policy-gradient term is exactly zero under every loss, and their units still count in the
+    loss normaliser, so the gradient is unchanged.  Ignored (nothing skipped) when a KL penalty is
+    on, whose gradient those events do carry.  Ratio, clip and entropy diagnostics then describe
+    the events that were forwarded; ``update/zero_advantage_skipped`` counts the others."""
 
 
 @dataclass

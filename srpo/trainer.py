@@ -223,6 +223,11 @@ class Trainer:
         t = self.cfg.train
         return self.reuse_forward_as_old and t.old_logprobs == "recompute" and t.epochs == 1 and t.minibatches == 1
 
+    @property
+    def skips_zero_advantage(self) -> bool:
+        """Zero-advantage events add nothing to the gradient unless a KL penalty is on."""
+        return self.cfg.train.skip_zero_advantage and not self.cfg.method.kl_coef > 0
+
     def recompute_old_logprobs(self, events: list[Event]) -> float:
         """Set each member's q_old with a no-grad pass; return the max |q_old − behaviour| seen."""
         worst = 0.0
@@ -255,6 +260,14 @@ class Trainer:
         role_stats: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         skipped = 0
         grad_norms: dict[str, float] = {}
+        # Events with advantage exactly 0 add exactly nothing to the policy gradient (their units
+        # still count in the normaliser below), so their forward and backward can be saved.
+        skip_zero = self.skips_zero_advantage
+        zero_skipped = 0
+        for e in events:  # lengths over every event, forwarded or not
+            for m in e.members:
+                role_stats[m.role]["length_tokens"] += m.num_action_tokens
+                role_stats[m.role]["members"] += 1
         for epoch in range(t.epochs):
             minibatches, _ = split_minibatches(events, t.minibatches, loss_name)
             for mb in minibatches:
@@ -262,6 +275,10 @@ class Trainer:
                 micro, _ = split_minibatches(mb, t.microbatches, loss_name)
                 total_loss = torch.zeros(())
                 for part in micro:
+                    if skip_zero:
+                        kept = [e for e in part if e.advantage != 0]
+                        zero_skipped += len(part) - len(kept)
+                        part = kept
                     if not part:
                         continue
                     batch = collate(part, self.policies.tokenizer.pad_token_id).to(device)
@@ -295,11 +312,14 @@ class Trainer:
         if grad_norms:
             out["grad_norm/total"] = math.sqrt(sum(v * v for v in grad_norms.values()))
         out["nonfinite_skipped"] = skipped
+        out["update/zero_advantage_skipped"] = zero_skipped / max(t.epochs, 1)  # events per pass
         for role, s in role_stats.items():
-            n = max(s["tokens"], 1)
+            out[f"role/{role}/length"] = s["length_tokens"] / max(s["members"], 1)
+            n = s["tokens"]
+            if n == 0:  # no event of this role was forwarded (all skipped): nothing was measured
+                continue
             out[f"role/{role}/entropy"] = s["entropy"] / n
             out[f"role/{role}/approx_kl"] = s["kl_old"] / n
-            out[f"role/{role}/length"] = s["tokens"] / max(s["members"], 1)
             if "kl_ref" in s:
                 out[f"role/{role}/ref_kl"] = s["kl_ref"] / n
         return out
@@ -311,7 +331,6 @@ class Trainer:
         for i, role in enumerate(batch.roles):
             s = stats[role]
             s["tokens"] += float(mask[i].sum())
-            s["members"] += 1
             s["entropy"] += float((ent[i] * mask[i]).sum())
             s["kl_old"] += float(kl_old[i].sum())
             if ref is not None:
@@ -360,7 +379,8 @@ class Trainer:
         t1 = time.perf_counter()
         old_gap = None
         if self.cfg.train.old_logprobs == "recompute" and loss_events and not self.on_policy_single_step:
-            old_gap = self.recompute_old_logprobs(loss_events)
+            needed = [e for e in loss_events if e.advantage != 0] if self.skips_zero_advantage else loss_events
+            old_gap = self.recompute_old_logprobs(needed) if needed else 0.0
         metrics = self.update(loss_events)
         t_update = time.perf_counter() - t1
         metrics.update(self._episode_metrics(episodes, valid, dropped))

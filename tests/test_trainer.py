@@ -162,3 +162,42 @@ def test_paper_scale_configs_parse():
     for f in files:
         cfg = _build(Config, read_yaml(f), "")
         assert cfg.run.device == "cuda" and cfg.eval.k == 16
+
+
+@pytest.mark.parametrize("loss, schedule", [("srpo", []), ("grpo", []), ("gspo", []),
+                                            ("srpo", ["train.epochs=2", "train.minibatches=2"])])
+def test_skipping_zero_advantage_events_leaves_the_update_unchanged(loss, schedule, tmp_path, deterministic_threads):
+    """Events with advantage exactly 0 are not forwarded, yet every parameter moves as if they were."""
+    from srpo.events import validate_events
+    from srpo.methods import assign_advantages
+
+    results, counts = [], []
+    for skip in (True, False):
+        cfg = load_config(None, tiny_overrides(tmp_path / str(skip), [
+            "workflow.name=parallel_aggregate", "workflow.options={num_workers: 2}", "train.optimizer=sgd",
+            f"method.name={loss}", f"train.skip_zero_advantage={str(skip).lower()}", *schedule]))
+        trainer = Trainer(cfg, progress=False, reward_fn=varied_reward)
+        trainer.rollout_generator.manual_seed(7)
+        episodes = trainer.rollout(trainer.train_tasks[:2])
+        events = assign_advantages(validate_events([e for ep in episodes for e in ep.events])[0], loss)
+        for e in events:  # the first task's group learned nothing this step (say, all wrong)
+            if e.task_id == events[0].task_id:
+                e.advantage = 0.0
+        assert any(e.advantage for e in events)
+        trainer.recompute_old_logprobs(events)
+        metrics = trainer.update(events)
+        counts.append(metrics["update/zero_advantage_skipped"])
+        results.append([p.detach().clone() for p in trainer.policies.parameters("shared")])
+    assert counts == [sum(e.task_id == events[0].task_id for e in events), 0]
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_zero_advantage_events_are_forwarded_under_a_kl_penalty(tmp_path):
+    cfg = load_config(None, tiny_overrides(tmp_path, ["method.kl_coef=0.1"]))
+    trainer = Trainer(cfg, progress=False, reward_fn=lambda task, answer: 0.0)  # every advantage is 0
+    history = trainer.fit(steps=1)
+    assert history[0]["update/zero_advantage_skipped"] == 0
+    cfg = load_config(None, tiny_overrides(tmp_path / "nokl"))
+    history = Trainer(cfg, progress=False, reward_fn=lambda task, answer: 0.0).fit(steps=1)
+    assert history[0]["update/zero_advantage_skipped"] == 4  # 2 tasks × 2 episodes, one event each
