@@ -2,7 +2,7 @@
 
 Single-agent GRPO on the embedded SmolLM2-135M-Instruct, synthetic two-digit addition, 2 prompts ×
 8 samples per step, at most 64 new tokens, temperature 1, one optimizer step per batch, learning
-rate 1e-5, seed 0.  srpo runs the `single` workflow with the `grpo` loss — as configured by
+rate 1e-5, seed 0, the same problems at every step.  srpo runs the `single` workflow with the `grpo` loss — as configured by
 default, and again with ``train.skip_zero_advantage: false`` (every event forwarded in the update,
 as TRL does, even those whose advantage is exactly 0 and whose gradient is therefore 0); TRL runs
 `GRPOTrainer(use_cpu=True, loss_type="grpo", bf16=True)` — its best working CPU setting.  Each
@@ -47,12 +47,22 @@ def run_ours(steps: int, threads: int, skip_zero_advantage: bool = True) -> dict
     })
     trainer = Trainer(cfg, progress=False)
     trainer.save = lambda: None  # checkpoint writing is not part of a step
+    questions: list[list[str]] = []
+    next_tasks = trainer.next_tasks
+
+    def recorded_next_tasks():
+        tasks = next_tasks()
+        questions.append(sorted(t.question for t in tasks))
+        return tasks
+
+    trainer.next_tasks = recorded_next_tasks
     history = trainer.fit()
     return {"step_s": [h["time/step_s"] for h in history],
             "rollout_s": [h["time/rollout_s"] for h in history], "update_s": [h["time/update_s"] for h in history],
             "completion_tokens": [h["team_tokens"] / (PROMPTS_PER_STEP * SAMPLES) for h in history],
             "reward": [h["reward"] for h in history],
-            "zero_advantage_skipped": [h["update/zero_advantage_skipped"] for h in history]}
+            "zero_advantage_skipped": [h["update/zero_advantage_skipped"] for h in history],
+            "questions": questions}
 
 
 def run_trl(steps: int, threads: int) -> dict:
@@ -63,16 +73,24 @@ def run_trl(steps: int, threads: int) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from srpo.data import epoch_order
     from srpo.policies.registry import converted_checkpoint
     from srpo.tasks.math import grade_math, synthetic_arithmetic
 
     path = str(converted_checkpoint("smollm2-135m"))
     tasks = synthetic_arithmetic(1000, level=2, seed=SEED)
+    # The problems in the order srpo's trainer visits them, and TRL told not to shuffle: both
+    # sides then see the same two problems at every step, and differ only in their draws.
+    tasks = [tasks[i] for i in epoch_order(len(tasks), SEED, 0)]
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": t.question}], "gold": t.answers[0]} for t in tasks])
     lengths: list[float] = []
     rewards: list[float] = []
 
-    def reward(completions, gold, completion_ids=None, **_):
+    questions: list[list[str]] = []
+
+    def reward(completions, gold, completion_ids=None, prompts=None, **_):
+        if prompts is not None:
+            questions.append(sorted({p[-1]["content"] for p in prompts}))
         if completion_ids is not None:
             lengths.append(sum(len(c) for c in completion_ids) / len(completion_ids))
         scores = [grade_math(c[0]["content"], g) for c, g in zip(completions, gold)]
@@ -94,11 +112,11 @@ def run_trl(steps: int, threads: int) -> dict:
         output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=True, per_device_train_batch_size=PROMPTS_PER_STEP * SAMPLES,
         num_generations=SAMPLES, max_completion_length=MAX_NEW, learning_rate=LR, loss_type="grpo", max_steps=steps,
         temperature=1.0, beta=0.0, seed=SEED, logging_steps=1, report_to=[], save_strategy="no",
-        dataloader_num_workers=0, max_grad_norm=1.0, disable_tqdm=True)
+        dataloader_num_workers=0, max_grad_norm=1.0, disable_tqdm=True, shuffle_dataset=False)
     trainer = GRPOTrainer(model=path, reward_funcs=reward, args=args, train_dataset=data,
                           processing_class=AutoTokenizer.from_pretrained(path), callbacks=[timer])
     trainer.train()
-    return {"step_s": timer.times, "completion_tokens": lengths, "reward": rewards}
+    return {"step_s": timer.times, "completion_tokens": lengths, "reward": rewards, "questions": questions}
 
 
 SIDES = {
@@ -135,6 +153,9 @@ def main() -> None:
             split = (f" (rollout {[round(x, 1) for x in res['rollout_s']]}, update {[round(x, 1) for x in res['update_s']]})"
                      if "rollout_s" in res else "")
             print(f"round {r + 1} {side}: steps {[round(x, 1) for x in res['step_s']]}{split}", flush=True)
+    seen = {side: rs[0]["questions"] for side, rs in runs.items()}
+    if len({json.dumps(q) for q in seen.values()}) != 1:
+        raise SystemExit(f"the sides trained on different problems: {json.dumps(seen)[:2000]}")
     summary = {}
     for side, rs in runs.items():
         steps = [s for r in rs for s in r["step_s"][1:]]  # drop each run's warm-up step

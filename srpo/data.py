@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 from srpo.config import Config, DataSource
 from srpo.tasks.base import DatasetError, Task
 from srpo.tasks.math import load_math_file, synthetic_arithmetic
 from srpo.tasks.search import BM25Retriever, Passage, load_corpus, load_qa, synthetic_kb
+
+
+def epoch_order(num_tasks: int, seed: int, epoch: int) -> list[int]:
+    """The order in which a training run visits its ``num_tasks`` tasks in ``epoch`` (seeded)."""
+    order = list(range(num_tasks))
+    random.Random(f"{seed}-{epoch}").shuffle(order)
+    return order
 
 
 def source_name(src: DataSource) -> str:

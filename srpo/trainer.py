@@ -34,7 +34,7 @@ import torch
 
 from srpo.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from srpo.config import Config
-from srpo.data import build_retriever, load_tasks
+from srpo.data import build_retriever, epoch_order, load_tasks
 from srpo.events import Event, collate, global_normalizer, split_minibatches, validate_events
 from srpo.methods import METHODS, assign_advantages
 from srpo.metrics_log import MetricsLogger
@@ -158,9 +158,7 @@ class Trainer:
         torch.manual_seed(seed)
 
     def _shuffled_order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.train_tasks)))
-        random.Random(f"{self.cfg.run.seed}-{epoch}").shuffle(order)
-        return order
+        return epoch_order(len(self.train_tasks), self.cfg.run.seed, epoch)
 
     def next_tasks(self):
         """This rank's tasks for the step: the global step's tasks, dealt round-robin to ranks."""
