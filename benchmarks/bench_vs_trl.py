@@ -2,14 +2,16 @@
 
 Single-agent GRPO on the embedded SmolLM2-135M-Instruct, synthetic two-digit addition, 2 prompts ×
 8 samples per step, at most 64 new tokens, temperature 1, one optimizer step per batch, learning
-rate 1e-5, seed 0, the same problems at every step.  srpo runs the `single` workflow with the `grpo` loss — as configured by
-default, and again with ``train.skip_zero_advantage: false`` (every event forwarded in the update,
-as TRL does, even those whose advantage is exactly 0 and whose gradient is therefore 0); TRL runs
-`GRPOTrainer(use_cpu=True, loss_type="grpo", bf16=True)` — its best working CPU setting.  Each
-side runs in its own subprocess, alternately, `--rounds` times; the first step of every run is a
-warm-up and is not counted.  Needs `pip install trl==1.16.0` (not a dependency of srpo).
+rate 1e-5, seed 0, the same problems at every step on every side.  srpo runs the `single`
+workflow with the `grpo` loss — as configured by default, and again with
+``train.skip_zero_advantage: false`` (every event forwarded in the update, as TRL does, even
+those whose advantage is exactly 0 and whose gradient is therefore 0).  TRL runs
+`GRPOTrainer(use_cpu=True, loss_type="grpo", bf16=True, cache_implementation="static")`, the
+fastest CPU setting found.  Each side runs in its own subprocess, alternately, `--rounds` times;
+the first step of every run is a warm-up and is not counted.  Needs `pip install trl==1.16.0`
+(not a dependency of srpo).
 
-    python benchmarks/bench_vs_trl.py --steps 6 --rounds 2 --threads 2
+    python benchmarks/bench_vs_trl.py --steps 8 --rounds 2 --threads 2
 """
 
 from __future__ import annotations
@@ -112,7 +114,10 @@ def run_trl(steps: int, threads: int) -> dict:
         output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=True, per_device_train_batch_size=PROMPTS_PER_STEP * SAMPLES,
         num_generations=SAMPLES, max_completion_length=MAX_NEW, learning_rate=LR, loss_type="grpo", max_steps=steps,
         temperature=1.0, beta=0.0, seed=SEED, logging_steps=1, report_to=[], save_strategy="no",
-        dataloader_num_workers=0, max_grad_norm=1.0, disable_tqdm=True, shuffle_dataset=False)
+        dataloader_num_workers=0, max_grad_norm=1.0, disable_tqdm=True, shuffle_dataset=False,
+        # HF's static KV cache for generation: ~7 % faster per step than the default dynamic cache
+        # in a side-by-side check here (16.96 vs 18.27 s median over 4 steps).
+        cache_implementation="static")
     trainer = GRPOTrainer(model=path, reward_funcs=reward, args=args, train_dataset=data,
                           processing_class=AutoTokenizer.from_pretrained(path), callbacks=[timer])
     trainer.train()
