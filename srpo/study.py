@@ -84,6 +84,14 @@ def cell_config(spec: dict, cell: dict, run_dir: Path):
     return config_from_dict(data)
 
 
+def _same_recipe(recorded: dict, recipe: dict) -> bool:
+    if "base_config" not in recorded and "base" in recorded:
+        # Written before base configs were recorded by content: only their path is known.
+        recorded = {k: v for k, v in recorded.items() if k != "base"}
+        recipe = {k: v for k, v in recipe.items() if k != "base_config"}
+    return recorded == recipe
+
+
 def run_cell(spec: dict, cell: dict, root: Path, progress: bool = True, train: bool = True) -> dict:
     """Train (unless ``train`` is False: the untrained reference) and evaluate one cell."""
     from srpo.data import load_tasks, source_name
@@ -93,11 +101,13 @@ def run_cell(spec: dict, cell: dict, root: Path, progress: bool = True, train: b
     run_dir = root / cell["label"] / f"seed{cell['seed']}"
     done = run_dir / "cell.json"
     # What a finished cell was run with: reusing it under a changed recipe or evaluation would
-    # silently mix old and new results in one table.
-    recipe = {"overrides": cell["overrides"], "base": spec.get("base"), "eval": spec["eval"], "train": train}
+    # silently mix old and new results in one table.  The base config is recorded by content, not
+    # path, so that a moved or renamed repository still reuses its finished cells.
+    recipe = {"overrides": cell["overrides"], "base_config": read_yaml(spec["base"]), "eval": spec["eval"],
+              "train": train}
     if done.is_file():
         record = json.loads(done.read_text())
-        if record.get("recipe", recipe) != recipe:
+        if not _same_recipe(record.get("recipe", recipe), recipe):
             raise ConfigError(
                 f"{done}: this cell finished under a different recipe or evaluation than the study file now "
                 f"asks for; use a new output_dir (or delete the cell's folder to re-run it)")

@@ -41,7 +41,16 @@ def test_study_runs_tabulates_and_resumes(tmp_path, monkeypatch):
     monkeypatch.setattr(srpo.trainer, "Trainer", None)
     run_study(study, progress=False)
     assert json.loads((tmp_path / "out" / "results.json").read_text())["table"] == data["table"]
-    # A changed evaluation must not silently reuse cells evaluated the old way.
+    # The study and its base config moved elsewhere (a renamed checkout): the cells are reused.
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    (moved / "base.yaml").write_text(base.read_text())
+    (moved / "study.yaml").write_text(study.read_text())
+    run_study(moved / "study.yaml", progress=False)
+    # A changed base config or evaluation must not silently reuse cells trained or evaluated the old way.
+    (moved / "base.yaml").write_text(base.read_text().replace("lr: 0.01", "lr: 0.02"))
+    with pytest.raises(ConfigError, match="different recipe or evaluation"):
+        run_study(moved / "study.yaml", progress=False)
     spec = yaml.safe_load(study.read_text())
     spec["eval"]["datasets"].append({"source": "synthetic_arithmetic", "level": 1, "n": 3, "seed": 9, "name": "b"})
     study.write_text(yaml.safe_dump(spec))
