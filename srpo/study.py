@@ -17,6 +17,11 @@ resumes from its last checkpoint, so the whole study is resumable by running it 
       k: 2
       datasets:
         - {source: synthetic_arithmetic, level: 0, n: 50, seed: 999, name: arith}
+    eval_untrained: true      # also evaluate each workflow's starting point (default false)
+    keep_checkpoints: false   # delete a cell's checkpoints once it is evaluated (default true)
+
+A full-model checkpoint of the 135M default is ~1.6 GB, so a grid of 20 cells keeps ~32 GB unless
+``keep_checkpoints: false``; ``cell.json``, ``metrics.jsonl`` and ``samples.jsonl`` stay either way.
 
 The results table (``results.md``/``results.json``) reports avg@k and pass@k per dataset and their
 macro-averages as mean ± standard error over seeds, and per cell the diagnostics of training:
@@ -30,6 +35,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -48,7 +54,8 @@ def load_study(path: str | Path) -> dict:
     for key in ("output_dir", "base", "axes", "seeds", "eval"):
         if key not in spec:
             raise ConfigError(f"{p}: missing key {key!r} (needs output_dir, base, axes, seeds, eval)")
-    unknown = set(spec) - {"output_dir", "base", "overrides", "axes", "seeds", "eval", "description", "eval_untrained"}
+    unknown = set(spec) - {"output_dir", "base", "overrides", "axes", "seeds", "eval", "description", "eval_untrained",
+                           "keep_checkpoints"}
     if unknown:
         raise ConfigError(f"{p}: unknown key {sorted(unknown)[0]!r}")
     spec["base"] = str((p.parent / spec["base"]).resolve())
@@ -134,6 +141,9 @@ def run_cell(spec: dict, cell: dict, root: Path, progress: bool = True, train: b
     record = {**cell, "eval": results, "diagnostics": diagnostics(run_dir) if train else {},
               "minutes": (time.perf_counter() - started) / 60, "recipe": recipe}
     done.write_text(json.dumps(record, indent=1))
+    if not spec.get("keep_checkpoints", True):
+        # Only after cell.json is written: an interrupted cell keeps its checkpoints to resume from.
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     return record
 
 

@@ -23,7 +23,7 @@ def test_study_runs_tabulates_and_resumes(tmp_path, monkeypatch):
         "output_dir": str(tmp_path / "out"), "base": "base.yaml",
         "axes": {"method": [{"label": "srpo", "set": {"method.name": "srpo"}},
                             {"label": "grpo", "set": {"method.name": "grpo"}}]},
-        "seeds": [0, 1], "eval_untrained": True,
+        "seeds": [0, 1], "eval_untrained": True, "keep_checkpoints": False,
         "eval": {"k": 2, "datasets": [{"source": "synthetic_arithmetic", "level": 0, "n": 3, "seed": 9, "name": "a"}]},
     }))
     results = run_study(study, progress=False)
@@ -33,6 +33,9 @@ def test_study_runs_tabulates_and_resumes(tmp_path, monkeypatch):
     assert len(data["cells"]) == 5, "4 trained cells + the untrained starting point of their one workflow"
     assert "| untrained (srpo workflow) | 1 |" in text
     assert all("grad_norm" in c["diagnostics"] for c in data["cells"] if not c["label"].startswith("untrained"))
+    cell_dir = tmp_path / "out" / "srpo" / "seed0"  # keep_checkpoints: false — the record stays, the weights go
+    assert (cell_dir / "cell.json").is_file() and (cell_dir / "metrics.jsonl").is_file()
+    assert not (cell_dir / "checkpoints").exists()
     png = tmp_path / "out" / "results.png"  # accuracy bars + training-reward curves
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     # Running it again re-uses every finished cell (no training: the trainer must not be built).
