@@ -420,6 +420,24 @@ def test_packed_projections_give_the_plain_step_logits(bf16):
         torch.testing.assert_close(steps[True], steps[False], atol=1e-5, rtol=1e-5)
 
 
+def test_sampling_packs_the_weights_only_for_calls_that_run_long(monkeypatch):
+    from srpo.policies import fast_decode
+
+    packed = []
+    original = fast_decode.FastDecoder._pack
+    monkeypatch.setattr(fast_decode.FastDecoder, "_pack", lambda self, batch: packed.append(batch) or original(self, batch))
+    model, tok = load_model("tiny-llama")
+    model.eval()
+    prompts = _mixed_prompts(tok, 4)
+    sample(model, tok, prompts, SamplingParams(max_new_tokens=5), generator=torch.Generator().manual_seed(0))
+    assert packed == []  # a short call never pays for packing
+    # No EOS: every row runs its 20 tokens, so packing happens once, part-way through.
+    monkeypatch.setattr("srpo.policies.sampling.eos_token_ids", lambda model, tok: set())
+    out = sample(model, tok, prompts, SamplingParams(max_new_tokens=20), generator=torch.Generator().manual_seed(0))
+    assert [len(s.completion_ids) for s in out] == [20] * 4
+    assert packed == [4]
+
+
 def test_fast_decode_sees_weights_changed_in_place_by_fused_adamw():
     # Fused AdamW leaves tensor version counters alone: any packed copy keyed on them would go
     # stale.  The lean step must sample what the HF step samples after an optimizer step.

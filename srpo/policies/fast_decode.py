@@ -17,9 +17,9 @@ srpo's CPU attention (:mod:`srpo.policies.attention`), as the HF forward then do
 Nothing is cached across sampling calls: an optimizer updates weights in place without a trace a
 cache could check (fused AdamW does not even bump tensor version counters), so a copy kept from
 one call to the next could silently go stale.  *Within* one call the weights cannot change, so on
-CPU :meth:`FastDecoder.start` may pack every projection once into oneDNN's blocked layout
-(:class:`PackedLinears`): a small-batch matmul then skips the weight reorder oneDNN otherwise does
-on every call — at batch 16 on SmolLM2-135M the layer matmuls of one token step took 25 → 16 ms
+CPU :meth:`FastDecoder.pack_weights` may pack every projection once into oneDNN's blocked layout
+(:class:`PackedLinears`; sampling does it once a call has run 8 token steps): a small-batch matmul
+then skips the weight reorder oneDNN otherwise does on every call — at batch 16 on SmolLM2-135M the layer matmuls of one token step took 25 → 16 ms
 and the vocabulary head 5.9 → 3.2 ms, against ~0.12 s to pack once per call.  Under bf16 autocast
 the packed bf16 matmul gives the same bits as autocast's ``F.linear``; in float32 oneDNN's
 summation order differs from MKL's in the last bits.
@@ -160,8 +160,19 @@ class FastDecoder:
             vb[:, :, :P] = v[expand]
             keys.append(kb)
             values.append(vb)
-        linears = self._pack(expand.numel()) if pack_weights else None
-        return DecodeState(keys=keys, values=values, length=P, linears=linears)
+        state = DecodeState(keys=keys, values=values, length=P)
+        if pack_weights:
+            self.pack_weights(state)
+        return state
+
+    def pack_weights(self, state: DecodeState) -> None:
+        """Pack the projections for the rest of this call's steps (no-op where oneDNN cannot).
+
+        In bf16 the packed matmuls give the same bits as the plain ones, so a call may switch
+        part-way through.
+        """
+        if state.linears is None:
+            state.linears = self._pack(state.keys[0].shape[0] if state.keys else 1)
 
     @torch.no_grad()
     def step(self, state: DecodeState, tokens: torch.Tensor, positions: torch.Tensor,

@@ -18,7 +18,10 @@ from srpo.policies.fast_decode import fast_decoder_for
 from srpo.policies.logprobs import cache_keyword, position_ids_from_mask
 
 
-PACK_MIN_STEPS = 16  # token limits from which the lean decode step packs the weights for the call
+# The lean decode step packs the weights once a call has run this many token steps with rows
+# still sampling: packing costs about as much as 10 steps save (SmolLM2-135M, batch 16), so short
+# calls (a router's choice, a verdict) never pay for it and long ones pay once.
+PACK_AFTER_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -151,8 +154,7 @@ def sample(
                 use_cache=True, logits_to_keep=1, **{cache_kw: cache}, **pre_extra)
     next_logits = out.logits[:, -1][expand_t]  # (B, V)
     if decoder is not None:
-        # Packing the weights costs about as much as 10 token steps save (SmolLM2-135M, batch 16).
-        state = decoder.start(cache, expand_t, capacity=P + max(limits), pack_weights=max(limits) >= PACK_MIN_STEPS)
+        state = decoder.start(cache, expand_t, capacity=P + max(limits))
         del cache
     elif len(first_of) < B:
         cache.batch_select_indices(expand_t)
@@ -205,6 +207,8 @@ def sample(
         feed = torch.where(active, chosen, torch.full_like(chosen, pad))
         attn = torch.cat([attn, active.long()[:, None]], dim=1)
         if decoder is not None:
+            if step + 1 == PACK_AFTER_STEPS:
+                decoder.pack_weights(state)
             next_logits = decoder.step(state, feed, next_pos, attn.bool())
         else:
             out = model(input_ids=feed[:, None], attention_mask=attn, position_ids=next_pos[:, None],
