@@ -128,7 +128,7 @@ SIDES = {
     "ours": ("srpo (single + grpo)", run_ours),
     "ours_forward_all": ("srpo, every event forwarded (`skip_zero_advantage: false`)",
                          lambda steps, threads: run_ours(steps, threads, skip_zero_advantage=False)),
-    "trl": ("TRL 1.16 GRPOTrainer (bf16)", run_trl),
+    "trl": ("TRL 1.16 GRPOTrainer (bf16, static cache)", run_trl),
 }
 
 
