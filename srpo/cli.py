@@ -24,7 +24,9 @@ def _train(args) -> int:
     except TrainingStopped as err:
         print(f"training stopped: {err}", file=sys.stderr)
         return 3
-    if trainer.dist.rank == 0:
+    rank = trainer.dist.rank
+    trainer.dist.close()
+    if rank == 0:
         print(f"done: {trainer.step} steps; metrics in {Path(cfg.run.output_dir) / 'metrics.jsonl'}")
     return 0
 

@@ -68,6 +68,17 @@ class Distributed:
     def sum_int(self, value: int) -> int:
         return int(self.sum_(torch.tensor([value], dtype=torch.long)).item()) if self.enabled else value
 
+    def close(self) -> None:
+        """Wait for every rank, then tear the process group down.
+
+        A rank that exits while another still holds the group can be aborted by gloo's teardown
+        ("terminate called without an active exception"), failing a run that had finished.
+        """
+        if self.enabled and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+            self.enabled = False
+
 
 def role_specs_for(cfg: Config, workflow) -> dict[str, RoleSpec]:
     """The workflow's default role settings with the config's per-role overrides applied."""

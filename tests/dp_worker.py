@@ -48,6 +48,7 @@ def main(out_path: str, run_dir: str) -> None:
     if dist.rank == 0:
         torch.save({pid: [p.detach() for p in trainer.policies.parameters(pid)] for pid in trainer.policies.policy_ids},
                    out_path)
+    dist.close()  # both ranks leave together: no rank is torn down mid-exit by gloo
 
 
 if __name__ == "__main__":
