@@ -32,6 +32,7 @@ and correct answers per million team tokens.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import math
@@ -59,6 +60,7 @@ def load_study(path: str | Path) -> dict:
     if unknown:
         raise ConfigError(f"{p}: unknown key {sorted(unknown)[0]!r}")
     spec["base"] = str((p.parent / spec["base"]).resolve())
+    spec["base_config"] = read_yaml(spec["base"])  # read once: every cell starts from it and records it
     for axis, entries in spec["axes"].items():
         if not isinstance(entries, list) or not entries:
             raise ConfigError(f"{p}: axes.{axis} must be a non-empty list of {{label, set}}")
@@ -84,7 +86,7 @@ def cells(spec: dict) -> list[dict]:
 
 
 def cell_config(spec: dict, cell: dict, run_dir: Path):
-    data = read_yaml(spec["base"])
+    data = copy.deepcopy(spec["base_config"])
     items = [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in cell["overrides"].items()]
     data = apply_overrides(data, items + [f"run.output_dir={run_dir}"])
     data.setdefault("task", {})["eval"] = []
@@ -110,7 +112,7 @@ def run_cell(spec: dict, cell: dict, root: Path, progress: bool = True, train: b
     # What a finished cell was run with: reusing it under a changed recipe or evaluation would
     # silently mix old and new results in one table.  The base config is recorded by content, not
     # path, so that a moved or renamed repository still reuses its finished cells.
-    recipe = {"overrides": cell["overrides"], "base_config": read_yaml(spec["base"]), "eval": spec["eval"],
+    recipe = {"overrides": cell["overrides"], "base_config": spec["base_config"], "eval": spec["eval"],
               "train": train}
     if done.is_file():
         record = json.loads(done.read_text())

@@ -232,10 +232,12 @@ class Trainer:
         t = self.cfg.train
         return self.reuse_forward_as_old and t.old_logprobs == "recompute" and t.epochs == 1 and t.minibatches == 1
 
-    @property
-    def skips_zero_advantage(self) -> bool:
-        """Zero-advantage events add nothing to the gradient unless a KL penalty is on."""
-        return self.cfg.train.skip_zero_advantage and not self.cfg.method.kl_coef > 0
+    def events_to_forward(self, events: list[Event]) -> list[Event]:
+        """The events whose log-probs the update needs: all of them, or (``train.skip_zero_advantage``,
+        no KL penalty) those with a non-zero advantage — the others add exactly nothing to the gradient."""
+        if self.cfg.train.skip_zero_advantage and not self.cfg.method.kl_coef > 0:
+            return [e for e in events if e.advantage != 0]
+        return events
 
     def recompute_old_logprobs(self, events: list[Event]) -> float:
         """Set each member's q_old with a no-grad pass; return the max |q_old − behaviour| seen."""
@@ -269,9 +271,6 @@ class Trainer:
         role_stats: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         skipped = 0
         grad_norms: dict[str, float] = {}
-        # Events with advantage exactly 0 add exactly nothing to the policy gradient (their units
-        # still count in the normaliser below), so their forward and backward can be saved.
-        skip_zero = self.skips_zero_advantage
         zero_skipped = 0
         for e in events:  # lengths over every event, forwarded or not
             for m in e.members:
@@ -284,10 +283,11 @@ class Trainer:
                 micro, _ = split_minibatches(mb, t.microbatches, loss_name)
                 total_loss = torch.zeros(())
                 for part in micro:
-                    if skip_zero:
-                        kept = [e for e in part if e.advantage != 0]
-                        zero_skipped += len(part) - len(kept)
-                        part = kept
+                    # Filtered after the normaliser above was counted: skipped events' units still
+                    # count, so the gradient is the one of the whole mini-batch.
+                    kept = self.events_to_forward(part)
+                    zero_skipped += len(part) - len(kept)
+                    part = kept
                     if not part:
                         continue
                     batch = collate(part, self.policies.tokenizer.pad_token_id).to(device)
@@ -388,8 +388,8 @@ class Trainer:
         t1 = time.perf_counter()
         old_gap = None
         if self.cfg.train.old_logprobs == "recompute" and loss_events and not self.on_policy_single_step:
-            needed = [e for e in loss_events if e.advantage != 0] if self.skips_zero_advantage else loss_events
-            old_gap = self.recompute_old_logprobs(needed) if needed else 0.0
+            needed = self.events_to_forward(loss_events)
+            old_gap = self.recompute_old_logprobs(needed) if needed else None  # None: nothing measured
         metrics = self.update(loss_events)
         t_update = time.perf_counter() - t1
         metrics.update(self._episode_metrics(episodes, valid, dropped))

@@ -410,7 +410,9 @@ def test_packed_projections_give_the_plain_step_logits(bf16):
             cache = DynamicCache()
             model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn),
                   use_cache=True, **{cache_keyword(model): cache})
-            state = decoder.start(cache, torch.arange(3), capacity=P + 4, pack_weights=pack)
+            state = decoder.start(cache, torch.arange(3), capacity=P + 4)
+            if pack:
+                decoder.pack_weights(state)
             assert (state.linears is not None) == pack
             valid = torch.cat([attn, torch.ones(3, 1, dtype=torch.long)], 1).bool()
             steps[pack] = decoder.step(state, torch.tensor([5, 17, 42]), attn.sum(-1), valid)

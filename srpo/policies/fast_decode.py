@@ -141,13 +141,11 @@ class FastDecoder:
             return None
         return PackedLinears(self._projections(), dtype, batch)
 
-    def start(self, hf_cache, expand: torch.Tensor, capacity: int, *, pack_weights: bool = False) -> DecodeState:
+    def start(self, hf_cache, expand: torch.Tensor, capacity: int) -> DecodeState:
         """Copy a prefill's HF cache into static buffers of ``capacity`` columns.
 
         hf_cache: the DynamicCache of the prefill over U distinct prompts, (U, Hkv, P, D) per layer.
         expand: (B,) which distinct prompt each row continues.
-        pack_weights: pack the projections for this call (:class:`PackedLinears`) — worth it when
-            the call runs more than a few token steps; ignored where oneDNN cannot.
         """
         keys, values = [], []
         for layer in hf_cache.layers:
@@ -160,10 +158,7 @@ class FastDecoder:
             vb[:, :, :P] = v[expand]
             keys.append(kb)
             values.append(vb)
-        state = DecodeState(keys=keys, values=values, length=P)
-        if pack_weights:
-            self.pack_weights(state)
-        return state
+        return DecodeState(keys=keys, values=values, length=P)
 
     def pack_weights(self, state: DecodeState) -> None:
         """Pack the projections for the rest of this call's steps (no-op where oneDNN cannot).
