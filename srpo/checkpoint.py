@@ -1,14 +1,29 @@
-"""Atomic checkpoints: weights in HF format, plus optimizer, scheduler, RNG and data position.
+"""Atomic, verified checkpoints: weights in HF format, optimizer, scheduler, RNG and data position.
 
-A checkpoint is written into a temporary folder next to its final place and renamed into place
+A checkpoint folder ``checkpoints/step_XXXXXXX`` holds
+
+- ``model/`` — the weights in HF format (a full model, or one PEFT adapter per policy);
+- ``trainer_state.pt`` — tensors only (optimizer and scheduler state, torch RNG states), read
+  with ``torch.load(weights_only=True)``: a checkpoint from someone else cannot run code;
+- ``trainer_state.json`` — plain JSON: step, data position, counters, Python and NumPy RNG;
+- ``config.json`` — the run's configuration;
+- ``manifest.json`` — written last: format, step, and the size and SHA-256 of every other file.
+
+It is written into a temporary folder next to its final place and renamed into place
 (``os.replace`` on one file system is atomic), then the ``latest`` pointer is replaced the same
-way.  A crash at any moment leaves the previous checkpoint whole and ``latest`` pointing at it.
+way.  A crash at any moment leaves the previous checkpoint whole and ``latest`` pointing at it;
+the temporary folder of a killed writer is removed by the next writer (the run lock guarantees
+there is no other).  Resuming trusts only a checkpoint whose every file matches its manifest and
+falls back to the previous one, with a warning naming what was wrong.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
+import pickle
 import random
 import shutil
 import tempfile
@@ -18,29 +33,48 @@ from typing import Any
 import numpy as np
 import torch
 
+log = logging.getLogger(__name__)
+
 STATE_FILE = "trainer_state.pt"
+STATE_JSON = "trainer_state.json"
 CONFIG_FILE = "config.json"
+MANIFEST = "manifest.json"
+FORMAT = 2
+TEMP_PREFIX = ".step_"
 
 
 class CheckpointError(RuntimeError):
-    pass
+    """A checkpoint cannot be written or used; the message names the folder and the reason."""
 
 
-def rng_state(generators: dict[str, torch.Generator]) -> dict[str, Any]:
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "generators": {k: g.get_state() for k, g in generators.items()},
-    }
+class CorruptCheckpoint(CheckpointError):
+    """A checkpoint is incomplete, damaged or unsafe; resuming falls back to an older one."""
 
 
-def set_rng_state(state: dict[str, Any], generators: dict[str, torch.Generator]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+# ------------------------------------------------------------------------------------ RNG state
+
+
+def rng_state(generators: dict[str, torch.Generator]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The RNG states as ``(plain JSON, tensors)``: Python and NumPy in JSON, torch as tensors."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    plain = {"python": [version, list(internal), gauss],
+             "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+    tensors = {"torch": torch.get_rng_state(), **{f"generator/{k}": g.get_state() for k, g in generators.items()}}
+    return plain, tensors
+
+
+def set_rng_state(plain: dict[str, Any], tensors: dict[str, torch.Tensor], generators: dict[str, torch.Generator]) -> None:
+    version, internal, gauss = plain["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = plain["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(tensors["torch"])
     for k, g in generators.items():
-        g.set_state(state["generators"][k])
+        g.set_state(tensors[f"generator/{k}"])
+
+
+# ------------------------------------------------------------------------------------ writing
 
 
 def _write_atomic_text(path: Path, text: str) -> None:
@@ -52,21 +86,82 @@ def _write_atomic_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(run_dir: Path, step: int, policies, state: dict[str, Any], config: dict, keep: int = 2) -> Path:
-    """Write ``checkpoints/step_XXXXXXX`` atomically and point ``checkpoints/latest`` at it."""
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _default_mode() -> int:
+    """What ``mkdir`` would give a folder under the current umask (mkdtemp gives 0700)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o777 & ~umask
+
+
+def remove_stale_temporaries(run_dir: Path) -> list[Path]:
+    """Delete half-written checkpoint folders left by a killed writer; return what was removed.
+
+    Only call it while holding the run lock: then no other process is writing one."""
+    root = Path(run_dir) / "checkpoints"
+    stale = [p for p in root.glob(f"{TEMP_PREFIX}*") if p.is_dir()] if root.is_dir() else []
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    if stale:
+        log.warning("removed %d half-written checkpoint folder(s) left by an interrupted run: %s",
+                    len(stale), ", ".join(p.name for p in stale))
+    return stale
+
+
+def save_checkpoint(run_dir: Path, step: int, policies, tensor_state: dict[str, Any], json_state: dict[str, Any],
+                    config: dict, keep: int = 2) -> Path:
+    """Write ``checkpoints/step_XXXXXXX`` atomically and point ``checkpoints/latest`` at it.
+
+    Raises :class:`CheckpointError` (the previous checkpoint intact) when it cannot be written,
+    e.g. on a full disk."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(run_dir)
     final = root / f"step_{step:07d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".step_{step:07d}-", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{step:07d}-", dir=root))
     try:
+        os.chmod(tmp, _default_mode())
         policies.save_pretrained(tmp / "model")
-        torch.save(state, tmp / STATE_FILE)
+        torch.save(tensor_state, tmp / STATE_FILE)
+        (tmp / STATE_JSON).write_text(json.dumps(json_state))
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=1, default=str))
+        files = {}
+        for p in _files(tmp):
+            _fsync(p)
+            files[p.relative_to(tmp).as_posix()] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+        _write_atomic_text(tmp / MANIFEST, json.dumps({"format": FORMAT, "step": step, "files": files}, indent=1))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, (OSError, RuntimeError)) and not isinstance(err, CheckpointError):
+            previous = latest_pointer(run_dir)
+            free = shutil.disk_usage(root).free / 2**20
+            reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err).splitlines()[0]
+            raise CheckpointError(
+                f"could not write checkpoint {final} ({reason}; {free:.0f} MiB free on that disk). "
+                f"Nothing was replaced: {'the previous checkpoint ' + previous.name + ' is intact' if previous else 'no earlier checkpoint exists'}."
+            ) from err
         raise
     _write_atomic_text(root / "latest", final.name)
     steps = sorted(p for p in root.glob("step_*") if p.is_dir())
@@ -76,16 +171,57 @@ def save_checkpoint(run_dir: Path, step: int, policies, state: dict[str, Any], c
     return final
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint (``latest`` if valid, else the highest complete step)."""
+# ------------------------------------------------------------------------------------ reading
+
+
+def latest_pointer(run_dir: Path) -> Path | None:
+    """The folder ``checkpoints/latest`` names, if it exists (not verified)."""
     root = Path(run_dir) / "checkpoints"
-    pointer = root / "latest"
-    if pointer.is_file():
-        candidate = root / pointer.read_text().strip()
-        if (candidate / STATE_FILE).is_file():
-            return candidate
-    complete = sorted(p for p in root.glob("step_*") if (p / STATE_FILE).is_file())
-    return complete[-1] if complete else None
+    try:
+        target = root / (root / "latest").read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return target if target.name.startswith("step_") and target.is_dir() else None
+
+
+def candidates(run_dir: Path) -> list[Path]:
+    """Checkpoint folders to try, newest first: ``latest``'s target, then every ``step_*``."""
+    root = Path(run_dir) / "checkpoints"
+    steps = sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True) if root.is_dir() else []
+    pointer = latest_pointer(run_dir)
+    return ([pointer] if pointer else []) + [p for p in steps if p != pointer]
+
+
+def verify(path: Path, *, digests: bool = True) -> str | None:
+    """What is wrong with the checkpoint at ``path`` (None when every file matches its manifest)."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+    except FileNotFoundError:
+        return f"no {MANIFEST} (an incomplete checkpoint, or one written by an older srpo)"
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"unreadable {MANIFEST} ({err.__class__.__name__})"
+    if manifest.get("format") != FORMAT:
+        return f"checkpoint format {manifest.get('format')!r}, this srpo reads format {FORMAT}"
+    for rel, want in files.items():
+        p = path / rel
+        if not p.is_file():
+            return f"{rel} is missing"
+        size = p.stat().st_size
+        if size != want["size"]:
+            return f"{rel} is {size} bytes, the manifest says {want['size']} (truncated or overwritten)"
+        if digests and _sha256(p) != want["sha256"]:
+            return f"{rel} does not match its SHA-256 in the manifest (damaged)"
+    return None
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest checkpoint that passes :func:`verify` (sizes only; resuming checks digests)."""
+    for path in candidates(run_dir):
+        if verify(path, digests=False) is None:
+            return path
+    return None
 
 
 # Sections that must match for a resume to make sense; the rest (steps, logging, checkpoint
@@ -106,13 +242,47 @@ def check_compatible(saved: dict, current: dict) -> None:
         raise CheckpointError("cannot resume: the config differs from the checkpoint's:\n  " + "\n  ".join(diffs))
 
 
-def load_checkpoint(path: Path, policies, current_config: dict) -> dict[str, Any]:
-    """Check compatibility, load weights into ``policies`` and return the trainer state."""
+def load_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(tensor_state, json_state)`` of a verified checkpoint; tensors are read without pickle code."""
     path = Path(path)
+    try:
+        tensors = torch.load(path / STATE_FILE, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as err:
+        raise CorruptCheckpoint(
+            f"{path / STATE_FILE} holds objects other than tensors and plain containers; it was refused, not "
+            f"loaded (a crafted file, or one written by an older srpo): {str(err).splitlines()[0][:200]}") from None
+    except (OSError, RuntimeError, EOFError, ValueError) as err:
+        raise CorruptCheckpoint(f"{path / STATE_FILE} is unreadable ({err.__class__.__name__})") from None
+    try:
+        plain = json.loads((path / STATE_JSON).read_text())
+    except (OSError, ValueError) as err:
+        raise CorruptCheckpoint(f"{path / STATE_JSON} is unreadable ({err.__class__.__name__})") from None
+    return tensors, plain
+
+
+def load_checkpoint(path: Path, policies, current_config: dict) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Verify, check compatibility, load weights into ``policies``; return ``(tensor_state, json_state)``.
+
+    Raises :class:`CorruptCheckpoint` for a damaged or unsafe checkpoint and
+    :class:`CheckpointError` for one that does not belong to this config."""
+    path = Path(path)
+    problem = verify(path)
+    if problem:
+        raise CorruptCheckpoint(f"{path}: {problem}")
     try:
         saved = json.loads((path / CONFIG_FILE).read_text())
     except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path}: unreadable {CONFIG_FILE} ({err})") from None
+        raise CorruptCheckpoint(f"{path}: unreadable {CONFIG_FILE} ({err})") from None
     check_compatible(saved, current_config)
-    policies.load_pretrained_weights(path / "model")
-    return torch.load(path / STATE_FILE, weights_only=False)
+    tensors, plain = load_state(path)
+    try:
+        policies.load_pretrained_weights(path / "model")
+    except (OSError, RuntimeError, ValueError, KeyError) as err:
+        raise CorruptCheckpoint(f"{path / 'model'}: the weights do not load ({str(err).splitlines()[0][:200]})") from None
+    return tensors, plain
+
+
+def is_checkpoint(path: Path) -> bool:
+    """A training checkpoint folder (as opposed to a plain HF model folder, which also has config.json)."""
+    path = Path(path)
+    return (path / MANIFEST).is_file() or (path / STATE_FILE).is_file()

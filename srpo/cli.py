@@ -13,22 +13,27 @@ def _train(args) -> int:
     from srpo.config import load_config
     from srpo.trainer import Trainer, TrainingStopped
 
+    if args.resume and args.overwrite:
+        raise UsageError("--resume continues the folder's run and --overwrite deletes it: choose one")
     cfg = load_config(args.config, args.set)
     _maybe_init_distributed()
-    trainer = Trainer(cfg)
-    if args.resume:
-        if not trainer.resume():
-            print(f"no checkpoint in {cfg.run.output_dir}; starting from step 0", file=sys.stderr)
+    trainer = Trainer(cfg, overwrite=args.overwrite)
+    code = 0
     try:
-        trainer.fit()
-    except TrainingStopped as err:
-        print(f"training stopped: {err}", file=sys.stderr)
-        return 3
-    rank = trainer.dist.rank
+        if args.resume and not trainer.resume():
+            print(f"no checkpoint in {cfg.run.output_dir}; starting from step 0", file=sys.stderr)
+        try:
+            trainer.fit()
+        except TrainingStopped as err:  # stopped on purpose, on every rank together
+            print(f"training stopped: {err}", file=sys.stderr)
+            code = 3
+    finally:
+        trainer.close()
+    # Only after a normal end: the barrier in close() would wait forever for a rank that failed.
     trainer.dist.close()
-    if rank == 0:
+    if trainer.dist.rank == 0 and code == 0:
         print(f"done: {trainer.step} steps; metrics in {Path(cfg.run.output_dir) / 'metrics.jsonl'}")
-    return 0
+    return code
 
 
 def _maybe_init_distributed() -> None:
@@ -154,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="YAML config (see configs/)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="delete a previous run's metrics, samples, checkpoints and TensorBoard logs in run.output_dir")
     p.set_defaults(func=_train)
 
     p = sub.add_parser("eval", help="avg@k / pass@k of a model or checkpoint in a workflow")

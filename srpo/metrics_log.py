@@ -1,59 +1,96 @@
-"""Where metrics go: ``metrics.jsonl`` (one line per step), TensorBoard, and sample episodes."""
+"""Where metrics go: ``metrics.jsonl`` (one line per step), TensorBoard, and sample episodes.
+
+The two ``.jsonl`` files are append-only logs.  A process killed mid-write (or a full disk) can
+leave a cut-off last line: every reader here skips lines that are not JSON objects (counted, with
+one warning), and :meth:`MetricsLogger.truncate_after` rewrites each log atomically with only the
+rows up to the resumed step — step 0 included — so a resumed run's logs never repeat a step.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
+
+LOG_FILES = ("metrics.jsonl", "samples.jsonl")
 
 
 class MetricsLogger:
     def __init__(self, run_dir: Path, tensorboard: bool = True, enabled: bool = True):
         self.run_dir = Path(run_dir)
         self.enabled = enabled
+        self.tensorboard = tensorboard
         self.writer = None
-        if enabled:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            if tensorboard:
-                try:
-                    from torch.utils.tensorboard import SummaryWriter
+        # TensorBoard events at or after this step are dropped when the writer opens: set on
+        # resume, so the curves continue from the checkpoint instead of doubling back.
+        self.purge_step: int | None = None
 
-                    self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
-                except ImportError:  # tensorboard is a dependency; tolerate a trimmed install
-                    self.writer = None
+    def _tensorboard_writer(self):
+        """Opened on the first row, after the run folder was claimed (or cleared)."""
+        if self.writer is None and self.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard is a dependency; tolerate a trimmed install
+                self.tensorboard = False
+                return None
+            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=self.purge_step)
+            self.purge_step = None  # purged once; a writer reopened later must not purge this run's rows
+        return self.writer
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
-        if self.writer is not None:
+        _append_line(self.run_dir / "metrics.jsonl", json.dumps(row))
+        writer = self._tensorboard_writer()
+        if writer is not None:
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-                    self.writer.add_scalar(k, v, step)
-            self.writer.flush()
+                    writer.add_scalar(k, v, step)
+            writer.flush()
 
     def samples(self, step: int, episodes: list[dict]) -> None:
         if not self.enabled or not episodes:
             return
-        with open(self.run_dir / "samples.jsonl", "a") as f:
-            for e in episodes:
-                f.write(json.dumps({"step": step, **e}) + "\n")
+        _append_line(self.run_dir / "samples.jsonl", "\n".join(json.dumps({"step": step, **e}) for e in episodes))
 
     def truncate_after(self, step: int) -> None:
-        """On resume: drop rows logged after the checkpoint's step (they will be logged again)."""
-        for name in ("metrics.jsonl", "samples.jsonl"):
+        """On resume: keep only rows of steps ≤ ``step`` (they will be logged again after it);
+        cut-off or unreadable lines go too."""
+        if not self.enabled:
+            return
+        for name in LOG_FILES:
             p = self.run_dir / name
             if not p.is_file():
                 continue
-            kept = [line for line in p.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step]
-            p.write_text("".join(line + "\n" for line in kept))
+            kept = [json.dumps(row) for row in read_jsonl_rows(p) if row.get("step", 0) <= step]
+            tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, p)
+        self.purge_step = step + 1
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+            self.writer = None
+
+
+def _append_line(path: Path, text: str) -> None:
+    """Append ``text`` + newline in one write; if the file ends mid-line (a cut-off write), the
+    broken tail is closed off first so that it cannot swallow this row."""
+    with open(path, "a+b") as f:
+        prefix = b""
+        if f.tell() > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                prefix = b"\n"
+        f.write(prefix + text.encode("utf-8") + b"\n")
 
 
 def _plain(v):
@@ -64,8 +101,30 @@ def _plain(v):
     return v
 
 
+def read_jsonl_rows(path: Path) -> list[dict]:
+    """The JSON-object lines of an append-only log; a cut-off or garbled line is skipped with a warning."""
+    rows, bad = [], []
+    with open(path, "rb") as f:
+        for no, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError):
+                bad.append(no)
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+            else:
+                bad.append(no)
+    if bad:
+        log.warning("%s: skipped %d unreadable line(s) (line %s; a write cut off by a crash or a full disk)",
+                    path, len(bad), ", ".join(map(str, bad[:5])))
+    return rows
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     p = Path(run_dir) / "metrics.jsonl"
     if not p.is_file():
         return []
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    return read_jsonl_rows(p)

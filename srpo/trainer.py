@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from srpo.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from srpo.checkpoint import (CheckpointError, CorruptCheckpoint, candidates, load_checkpoint, remove_stale_temporaries, rng_state,
+                             save_checkpoint, set_rng_state)
 from srpo.config import Config
 from srpo.data import build_retriever, epoch_order, load_tasks
 from srpo.events import Event, collate, global_normalizer, split_minibatches, validate_events
@@ -41,6 +42,7 @@ from srpo.metrics_log import MetricsLogger
 from srpo.objective import policy_loss
 from srpo.policies.layouts import LoraSettings, PolicySet, build_policies
 from srpo.policies.sampling import SamplingParams
+from srpo.run_dir import RunDirError, RunLock, clear_previous_run, previous_run
 from srpo.tasks.rewards import TRAIN_REWARD_FNS
 from srpo.workflows.builtins import build_workflow
 from srpo.workflows.runtime import EpisodeResult, RoleSpec, Runtime
@@ -117,14 +119,26 @@ def build_policy_set(cfg: Config, roles: list[str]) -> PolicySet:
 
 
 class Trainer:
+    """One training run in ``cfg.run.output_dir``.
+
+    The run folder is locked for the trainer's life (:meth:`close` releases it; so does the end
+    of the process).  A run continues the folder's previous run only through :meth:`resume`; a
+    fresh :meth:`fit` refuses a folder that holds another run's metrics or checkpoints unless
+    ``overwrite`` is set, which deletes those artefacts first.
+    """
+
     def __init__(self, cfg: Config, *, policies: PolicySet | None = None, dist: Distributed | None = None,
-                 progress: bool = True, reward_fn=None):
+                 progress: bool = True, reward_fn=None, overwrite: bool = False):
         self.cfg = cfg
         self.dist = dist or Distributed()
         self.progress = progress and self.dist.rank == 0
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         self.run_dir = Path(cfg.run.output_dir)
+        self.overwrite = overwrite
+        self._claimed = False  # whether this run owns the folder's logs (resumed, or started fresh)
+        self.lock = RunLock(self.run_dir)
+        self._on_rank0_agreed(lambda: (self.lock.acquire(), remove_stale_temporaries(self.run_dir)))
         self.method = METHODS[cfg.method.name]
         self._seed_everything(cfg.run.seed)
         self.train_tasks = load_tasks(cfg.task.train, cfg.task.kind)
@@ -153,6 +167,38 @@ class Trainer:
         self.nonfinite_in_a_row = 0
         self.totals = defaultdict(float)  # running counters (tokens, correct, skipped steps ...)
         self.logger = MetricsLogger(self.run_dir, cfg.log.tensorboard, enabled=self.dist.rank == 0)
+
+    def _on_rank0_agreed(self, action) -> None:
+        """Run ``action`` on rank 0; if it fails, every rank raises (none waits in a collective)."""
+        error = None
+        if self.dist.rank == 0:
+            try:
+                action()
+            except (RunDirError, OSError) as err:
+                error = err
+        if self.dist.sum_int(int(error is not None)):
+            if isinstance(error, OSError):
+                raise RunDirError(f"{self.run_dir}: {error}") from error
+            raise error or RunDirError(f"rank 0 could not claim the run folder {self.run_dir}; see its message")
+
+    def close(self) -> None:
+        """Release the run folder (the lock) and close the logs; the trainer can still be read."""
+        self.logger.close()
+        self.lock.release()
+
+    def _claim_fresh(self) -> None:
+        """Start a new run in the folder: refuse another run's artefacts unless overwriting."""
+        def claim():
+            found = previous_run(self.run_dir)
+            if found and not self.overwrite:
+                raise RunDirError(
+                    f"{self.run_dir} holds a previous run ({', '.join(found)}); continue it with --resume, "
+                    f"replace it with --overwrite, or choose another run.output_dir")
+            if found:
+                clear_previous_run(self.run_dir)
+                log.warning("--overwrite: deleted the previous run's %s in %s", ", ".join(found), self.run_dir)
+        self._on_rank0_agreed(claim)
+        self._claimed = True
 
     def _make_optimizer(self, params):
         t = self.cfg.train
@@ -449,47 +495,84 @@ class Trainer:
         return out
 
     # ------------------------------------------------------------------------------ checkpoints
-    def trainer_state(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "data": {"epoch": self.data_epoch, "pos": self.data_pos, "order": self.data_order},
+    def trainer_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(tensors, plain)``: tensors for ``torch.load(weights_only=True)``, the rest as JSON."""
+        rng_plain, rng_tensors = rng_state({"rollout": self.rollout_generator})
+        tensors = {
             "optimizers": {pid: o.state_dict() for pid, o in self.optimizers.items()},
             "schedulers": {pid: s.state_dict() for pid, s in self.schedulers.items()},
+            "rng": rng_tensors,
+        }
+        plain = {
+            "step": self.step,
+            "data": {"epoch": self.data_epoch, "pos": self.data_pos, "order": self.data_order},
             "versions": dict(self.policies.versions),
-            "rng": rng_state({"rollout": self.rollout_generator}),
+            "rng": rng_plain,
             "totals": dict(self.totals),
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
         }
+        return tensors, plain
+
+    def weights_are_finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for pid in self.policies.policy_ids for p in self.policies.parameters(pid))
 
     def save(self) -> Path | None:
+        """Checkpoint the current step (rank 0 writes); never writes NaN/Inf weights."""
+        if not self.weights_are_finite():  # every rank checks, so every rank stops together
+            raise TrainingStopped(
+                f"the weights hold NaN/Inf after step {self.step}; no checkpoint was written (the last one "
+                f"written is still in {self.run_dir / 'checkpoints'}). Lower train.lr or check the reward and inputs.")
         if self.dist.rank != 0:
             return None
-        return save_checkpoint(self.run_dir, self.step, self.policies, self.trainer_state(), self.cfg.to_dict(),
+        tensors, plain = self.trainer_state()
+        return save_checkpoint(self.run_dir, self.step, self.policies, tensors, plain, self.cfg.to_dict(),
                                keep=self.cfg.checkpoint.keep)
 
     def resume(self, path: Path | None = None) -> bool:
-        """Continue from ``path`` or the run's latest checkpoint; False when there is none."""
-        path = path or latest_checkpoint(self.run_dir)
-        if path is None:
-            return False
-        state = load_checkpoint(path, self.policies, self.cfg.to_dict())
-        self.step = state["step"]
-        self.data_epoch, self.data_pos, self.data_order = (state["data"][k] for k in ("epoch", "pos", "order"))
+        """Continue from ``path`` or the run's newest complete checkpoint; False when there is none.
+
+        Each checkpoint is verified against its manifest; a damaged or unsafe one is skipped with
+        a warning naming what was wrong, and the one before it is tried.  The logs are cut back to
+        the resumed step (to step 0 when there is no checkpoint).
+        """
+        problems = []
+        for candidate in [Path(path)] if path is not None else candidates(self.run_dir):
+            try:
+                tensors, plain = load_checkpoint(candidate, self.policies, self.cfg.to_dict())
+            except CorruptCheckpoint as err:
+                problems.append(str(err))
+                log.warning("skipping checkpoint %s: %s", candidate.name, err)
+                continue
+            self._restore(tensors, plain)
+            if problems:
+                log.warning("resumed from the older checkpoint %s", candidate.name)
+            self.logger.truncate_after(self.step)
+            self._claimed = True
+            log.info("resumed from %s at step %d", candidate, self.step)
+            return True
+        if problems:
+            raise CheckpointError("no usable checkpoint to resume from:\n  " + "\n  ".join(problems))
+        self.logger.truncate_after(0)  # a run killed before its first checkpoint starts over cleanly
+        self._claimed = True
+        return False
+
+    def _restore(self, tensors: dict[str, Any], plain: dict[str, Any]) -> None:
+        self.step = plain["step"]
+        self.data_epoch, self.data_pos, self.data_order = (plain["data"][k] for k in ("epoch", "pos", "order"))
         for pid, o in self.optimizers.items():
-            o.load_state_dict(state["optimizers"][pid])
+            o.load_state_dict(tensors["optimizers"][pid])
         for pid, s in self.schedulers.items():
-            s.load_state_dict(state["schedulers"][pid])
-        self.policies.versions.update(state["versions"])
-        set_rng_state(state["rng"], {"rollout": self.rollout_generator})
-        self.totals = defaultdict(float, state["totals"])
-        self.nonfinite_in_a_row = state["nonfinite_in_a_row"]
-        self.logger.truncate_after(self.step)
-        log.info("resumed from %s at step %d", path, self.step)
-        return True
+            s.load_state_dict(tensors["schedulers"][pid])
+        self.policies.versions.update(plain["versions"])
+        set_rng_state(plain["rng"], tensors["rng"], {"rollout": self.rollout_generator})
+        self.totals = defaultdict(float, plain["totals"])
+        self.nonfinite_in_a_row = plain["nonfinite_in_a_row"]
 
     # ------------------------------------------------------------------------------ the loop
     def fit(self, steps: int | None = None, on_step=None) -> list[dict[str, Any]]:
         total = steps if steps is not None else self.cfg.run.steps
+        if not self._claimed:
+            self._claim_fresh()
         history = []
         bar = None
         if self.progress:

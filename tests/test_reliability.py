@@ -248,9 +248,10 @@ def test_crash_while_writing_keeps_the_previous_checkpoint(tmp_path, monkeypatch
 
     monkeypatch.setattr(ckpt.torch, "save", dies)
     trainer.step = 3
-    with pytest.raises(OSError):
+    with pytest.raises(ckpt.CheckpointError, match=r"step_0000003 \(disk full; .* MiB free.*step_0000002 is intact"):
         trainer.save()
     monkeypatch.setattr(ckpt.torch, "save", real_save)
+    trainer.close()
     assert ckpt.latest_checkpoint(tmp_path) == good
     assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
     again = Trainer(load_config(None, tiny(tmp_path, ["run.steps=2"])), progress=False)

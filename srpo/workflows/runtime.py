@@ -238,23 +238,44 @@ class Runtime:
         return list(await asyncio.gather(*futures))
 
     def _maybe_wake(self) -> None:
-        if self._active == 0 or (self._pending and self._waiting >= self._active):
+        if self._pending and self._waiting >= self._active:
             self._wake.set()
 
+    def _episode_done(self, _task: asyncio.Task) -> None:
+        """Done-callback of every episode task — it runs even for a task cancelled before it
+        started, whose coroutine never reaches its ``finally``."""
+        self._active -= 1
+        if self._active == 0:
+            self._closing = True
+            self._wake.set()
+        else:
+            self._maybe_wake()
+
     async def _batcher(self) -> None:
+        """Serve pending requests in batches until the run closes.
+
+        It stops on ``_closing`` (set once every episode task is done, or when the run is
+        cancelled), never on counting alone: an episode cancelled before its first line runs no
+        ``finally``, so a count of live episodes could stay above zero forever.
+        """
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if self._active == 0 and not self._pending:
+            # Requests of episodes that were cancelled meanwhile need no generation.
+            pending = [(r, f) for r, f in self._pending if not f.done()]
+            self._pending, self._waiting = [], 0
+            if self._closing:
+                for _, fut in pending:
+                    fut.cancel()
                 return
-            pending, self._pending, self._waiting = self._pending, [], 0
             try:
                 for start in range(0, len(pending), self.max_batch):
                     chunk = pending[start:start + self.max_batch]
                     samples = self.policies.generate([r for r, _ in chunk], self.generator)
                     self.generate_calls.append(len(chunk))
                     for (_, fut), s in zip(chunk, samples):
-                        fut.set_result(s)
+                        if not fut.done():  # its episode may have been cancelled during the call
+                            fut.set_result(s)
             except BaseException as err:  # a broken model is fatal for the batch: tell every waiter
                 for _, fut in pending:
                     if not fut.done():
@@ -271,9 +292,6 @@ class Runtime:
             answer, failed = "", True
             ctx.count("workflow_errors")
             self.record_failure("workflow", traceback.format_exc())
-        finally:
-            self._active -= 1
-            self._maybe_wake()
         answer = answer if isinstance(answer, str) else ("" if answer is None else str(answer))
         try:
             if failed:
@@ -295,12 +313,23 @@ class Runtime:
         self._pending: list[tuple[GenerationRequest, asyncio.Future]] = []
         self._active = len(jobs)
         self._waiting = 0
+        self._closing = False
         self._wake = asyncio.Event()
         batcher = asyncio.create_task(self._batcher())
+        episodes = []
+        for eid, t in jobs:
+            # The count drops when the task is done — however it ends — not inside the episode.
+            task = asyncio.create_task(self._episode(workflow, eid, t))
+            task.add_done_callback(self._episode_done)
+            episodes.append(task)
         try:
-            return list(await asyncio.gather(*(self._episode(workflow, eid, t) for eid, t in jobs)))
+            return list(await asyncio.gather(*episodes))
         finally:
-            self._active = 0
+            # Normally every episode is done and the batcher has already stopped; after a
+            # cancellation (Ctrl-C) or an error it is told to stop here, serving nothing more.
+            for task in episodes:
+                task.cancel()
+            self._closing = True
             self._wake.set()
             await batcher
 
