@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+import traceback
 from pathlib import Path
 
 
@@ -46,7 +47,7 @@ def _maybe_init_distributed() -> None:
         Accelerator(cpu=not __import__("torch").cuda.is_available())
 
 
-def _parse_data(specs: list[str], kind: str):
+def _parse_data(specs: list[str]):
     """FILE, hub:ID, synthetic_arithmetic:level=2:n=100:seed=7 or synthetic_kb:n=50:seed=3."""
     from srpo.config import DataSource
 
@@ -57,12 +58,38 @@ def _parse_data(specs: list[str], kind: str):
         for p in params:
             key, _, value = p.partition("=")
             if key not in ("level", "n", "seed"):
-                raise SystemExit(f"--data {spec}: unknown parameter {key!r}; valid: level, n, seed")
-            setattr(src, key, int(value))
+                raise UsageError(f"--data {spec}: unknown parameter {key!r}; valid: level, n, seed")
+            try:
+                setattr(src, key, int(value))
+            except ValueError:
+                raise UsageError(f"--data {spec}: {key} must be an integer, got {value!r}") from None
         if not name.startswith("synthetic_"):
             src.n = 0
         sources.append(src)
     return sources
+
+
+def _checkpoint_for_eval(model: str) -> Path | None:
+    """The training checkpoint ``--model`` names — a checkpoint folder, a run's ``checkpoints``
+    folder or a run folder (its newest complete checkpoint) — or None for a model name or a plain
+    HF model folder (which has a config.json too, but no manifest or trainer state)."""
+    from srpo.checkpoint import CheckpointError, is_checkpoint, latest_checkpoint, verify
+
+    path = Path(model)
+    if not path.is_dir():
+        return None
+    if is_checkpoint(path):
+        problem = verify(path, digests=False)
+        if problem:
+            raise CheckpointError(f"{path}: {problem}")
+        return path
+    run_dir = path if (path / "checkpoints").is_dir() else path.parent if path.name == "checkpoints" else None
+    if run_dir is None:
+        return None  # a plain model folder
+    found = latest_checkpoint(run_dir)
+    if found is None:
+        raise CheckpointError(f"{run_dir / 'checkpoints'}: no complete checkpoint to evaluate")
+    return found
 
 
 def _eval(args) -> int:
@@ -70,16 +97,20 @@ def _eval(args) -> int:
 
     from srpo.checkpoint import CONFIG_FILE
     from srpo.config import config_from_dict
-    from srpo.data import build_retriever, load_tasks, source_name
+    from srpo.data import build_retriever, guess_kind, load_tasks, source_name
     from srpo.evaluation import evaluate, markdown_table, write_results
     from srpo.trainer import build_policy_set, build_workflow_from_config, role_specs_for
 
-    kind = args.kind or ("qa" if args.workflow in ("search", "search_team") else "math")
-    sources = _parse_data(args.data, kind)
-    model_path = Path(args.model)
-    checkpoint = model_path if (model_path / CONFIG_FILE).is_file() else None
-    if checkpoint is None and (model_path / "latest").is_file():
-        checkpoint = model_path / (model_path / "latest").read_text().strip()
+    sources = _parse_data(args.data)
+    kind = args.kind
+    if kind is None and args.workflow in ("search", "search_team"):
+        kind = "qa"
+    if kind is None:  # from the data: graded by the wrong kind, a dataset scores silently wrong
+        kinds = {k for k in (guess_kind(s) for s in sources) if k}
+        if len(kinds) > 1:
+            raise UsageError("--data mixes math and QA datasets; evaluate them separately, each with its --kind")
+        kind = kinds.pop() if kinds else "math"
+    checkpoint = _checkpoint_for_eval(args.model)
     if checkpoint is not None:  # a training checkpoint: rebuild its layout and load its weights
         data = json.loads((checkpoint / CONFIG_FILE).read_text())
         data["task"]["eval"] = []
@@ -88,7 +119,10 @@ def _eval(args) -> int:
     data.setdefault("workflow", {})
     if args.workflow:
         data["workflow"]["name"] = args.workflow
-        data["workflow"]["options"] = json.loads(args.options) if args.options else {}
+        try:
+            data["workflow"]["options"] = json.loads(args.options) if args.options else {}
+        except json.JSONDecodeError as err:
+            raise UsageError(f"--options {args.options!r}: not JSON ({err.msg})") from None
     data.setdefault("task", {})
     data["task"]["kind"] = kind
     data["task"]["train"] = {"source": "synthetic_arithmetic" if kind == "math" else "synthetic_kb", "n": 1}
@@ -100,11 +134,13 @@ def _eval(args) -> int:
     cfg = config_from_dict(data)
     if args.threads:
         torch.set_num_threads(args.threads)
+    # The data first: a bad dataset fails before a model loads.
+    datasets = {source_name(s): load_tasks(s, kind)[: args.n or None] for s in cfg.task.eval}
     workflow = build_workflow_from_config(cfg, build_retriever(cfg))
     policies = build_policy_set(cfg, workflow.roles())
     if checkpoint is not None:
         policies.load_pretrained_weights(checkpoint / "model")
-    datasets = {source_name(s): load_tasks(s, kind)[: args.n or None] for s in cfg.task.eval}
+        print(f"evaluating checkpoint {checkpoint}", file=sys.stderr)
     results = evaluate(policies, workflow, role_specs_for(cfg, workflow), datasets, k=args.k,
                        temperature=args.temperature, seed=args.seed, progress=True)
     print(markdown_table(results, f"{args.model} — {cfg.workflow.name}"))
@@ -122,9 +158,16 @@ def _demo(args) -> int:
 
 
 def _report(args) -> int:
+    from srpo.metrics_log import read_metrics
     from srpo.report import write_summary
 
-    path = write_summary(Path(args.run_dir))
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise UsageError(f"{run_dir}: no such folder")
+    if not read_metrics(run_dir):
+        raise UsageError(f"{run_dir}: no metrics.jsonl rows — not a run folder, or a run that has not "
+                         f"finished a step yet")
+    path = write_summary(run_dir)
     print(f"report: {path}")
     return 0
 
@@ -140,7 +183,7 @@ def _models(args) -> int:
             print(f"{name:15s} {state}")
         return 0
     if not args.name or args.name not in registry.GGUF_MODELS:
-        raise SystemExit(f"srpo models {args.action} needs one of: {', '.join(registry.GGUF_MODELS)}")
+        raise UsageError(f"srpo models {args.action} needs one of: {', '.join(registry.GGUF_MODELS)}")
     if args.action == "prepare":
         path = registry.converted_checkpoint(args.name, force=args.force)
         print(f"{args.name}: {path}")
@@ -148,6 +191,26 @@ def _models(args) -> int:
         registry.verify_cache(args.name)
         print(f"{args.name}: cache verified")
     return 0
+
+
+class UsageError(ValueError):
+    """A command-line argument is wrong; the message names it."""
+
+
+def _number(kind, minimum, what):
+    """An argparse type: ``kind`` (int or float), finite and ≥ ``minimum``."""
+    def parse(text: str):
+        import math
+
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if (kind is float and not math.isfinite(value)) or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+    parse.__name__ = what
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -169,19 +232,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--options", default="", help='workflow options as JSON, e.g. \'{"num_workers": 3}\'')
     p.add_argument("--data", action="append", required=True,
                    help="FILE[,FILE...], hub:ID, synthetic_arithmetic:level=2:n=100:seed=7, synthetic_kb:n=50")
-    p.add_argument("--kind", choices=["math", "qa"], default=None)
+    p.add_argument("--kind", choices=["math", "qa"], default=None,
+                   help="the grader (default: from the workflow, else from the data's rows)")
     p.add_argument("--corpus", default="", help="search workflows: corpus jsonl or synthetic_kb")
-    p.add_argument("-k", type=int, default=16, help="samples per problem")
-    p.add_argument("--n", type=int, default=0, help="problems per dataset (0: all)")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=0)
+    p.add_argument("-k", type=_number(int, 1, "an integer ≥ 1"), default=16, help="samples per problem")
+    p.add_argument("--n", type=_number(int, 0, "an integer ≥ 0"), default=0, help="problems per dataset (0: all)")
+    p.add_argument("--temperature", type=_number(float, 0, "a finite number ≥ 0"), default=1.0)
+    p.add_argument("--max-new-tokens", type=_number(int, 0, "an integer ≥ 0"), default=0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--threads", type=_number(int, 0, "an integer ≥ 0"), default=0)
     p.add_argument("--out", default="", help="folder for eval.json and eval.md")
     p.set_defaults(func=_eval)
 
     p = sub.add_parser("demo", help="SRPO on the embedded SmolLM2-135M: eval, train, eval, report")
-    p.add_argument("--output-dir", default=None)
+    p.add_argument("--output-dir", default=None, help="run folder (default runs/demo); a previous demo run in it is replaced")
     p.add_argument("--steps", type=int, default=None)
     p.set_defaults(func=_demo)
 
@@ -202,21 +266,39 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command.  Every failure ends in one ``error:`` line and a non-zero exit: 2 for
+    bad input (config, data, checkpoint, model, run folder, arguments), 1 for anything
+    unexpected, 130 for Ctrl-C; ``-v`` adds the traceback."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("bm25s", "transformers", "peft"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
-    from srpo.config import ConfigError
     from srpo.checkpoint import CheckpointError
+    from srpo.config import ConfigError
     from srpo.policies import ModelLoadError
+    from srpo.run_dir import RunDirError
     from srpo.tasks import DatasetError
 
     try:
         return args.func(args)
-    except (ConfigError, CheckpointError, ModelLoadError, DatasetError) as err:
+    except (ConfigError, CheckpointError, ModelLoadError, DatasetError, RunDirError, UsageError) as err:
+        if args.verbose:
+            traceback.print_exc()
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # noqa: BLE001 - the last line of defence: one message, not a traceback
+        if args.verbose:
+            traceback.print_exc()
+        where = ""
+        if isinstance(err, OSError) and err.filename:
+            where = f" ({err.filename})"
+        print(f"error: {err.__class__.__name__}: {str(err).splitlines()[0] if str(err) else ''}{where} "
+              f"— unexpected; run with -v for the traceback", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

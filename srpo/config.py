@@ -8,6 +8,8 @@ valid values — before any model is loaded.  ``--set key=value`` overrides use 
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -257,6 +259,8 @@ def _convert(tp, value, path):
                 raise ConfigError(f"{path}: expected a number, got {value!r}") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected a number, got {value!r}")
+        if not math.isfinite(value):  # .inf/.nan parse as numbers, and no field means them
+            raise ConfigError(f"{path}: expected a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -271,6 +275,8 @@ def _choice(path, value, valid):
 
 
 def _positive(path, value, allow_zero=False):
+    if not math.isfinite(value):
+        raise ConfigError(f"{path}: expected a finite number, got {value}")
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{path}: must be {'≥ 0' if allow_zero else '> 0'}, got {value}")
 
@@ -306,6 +312,16 @@ def validate(cfg: Config) -> Config:
                         ("eval.k", cfg.eval.k), ("train.chunk_tokens", cfg.train.chunk_tokens),
                         ("model.lora.r", cfg.model.lora.r)]:
         _positive(path, value)
+    _positive("train.weight_decay", cfg.train.weight_decay, allow_zero=True)
+    _positive("train.max_grad_norm", cfg.train.max_grad_norm, allow_zero=True)
+    _positive("eval.temperature", cfg.eval.temperature, allow_zero=True)
+    if len(cfg.train.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.train.betas):
+        raise ConfigError(f"train.betas: two numbers in [0, 1) (Adam's decay rates), got {cfg.train.betas}")
+    for role, o in cfg.workflow.roles.items():
+        if o.temperature is not None:
+            _positive(f"workflow.roles.{role}.temperature", o.temperature, allow_zero=True)
+        if o.top_p is not None and not 0.0 < o.top_p <= 1.0:
+            raise ConfigError(f"workflow.roles.{role}.top_p: must be in (0, 1], got {o.top_p}")
     _positive("method.clip_eps", cfg.method.clip_eps, allow_zero=True)
     _positive("method.kl_coef", cfg.method.kl_coef, allow_zero=True)
     _positive("workflow.temperature", cfg.workflow.temperature, allow_zero=True)
@@ -398,22 +414,65 @@ def _deep_merge(base: dict, top: dict) -> dict:
     return out
 
 
+# Data paths a config file may give relative to itself (like ``include:``); ``--set`` values and
+# configs built in code resolve against the working directory.
+def _is_file_path(source: Any) -> bool:
+    return isinstance(source, str) and bool(source) and not source.startswith(("synthetic_", "hub:")) \
+        and not os.path.isabs(source)
+
+
+def _resolve_data_paths(data: dict, folder: Path) -> None:
+    """Rewrite the relative data paths of one YAML file's sections to be relative to ``folder``."""
+    task = data.get("task")
+    if not isinstance(task, dict):
+        return
+    sources = [task.get("train")] + (task.get("eval") if isinstance(task.get("eval"), list) else [])
+    for src in sources:
+        if isinstance(src, dict) and _is_file_path(src.get("source")):
+            src["source"] = os.path.normpath(folder / src["source"])
+    if _is_file_path(task.get("corpus")):
+        task["corpus"] = os.path.normpath(folder / task["corpus"])
+
+
 def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
-    """A YAML config as a dict; ``include: other.yaml`` (relative to the file) is merged underneath."""
+    """A YAML config as a dict.
+
+    ``include:`` (one file or a list, relative to this file) is merged underneath, in order; data
+    paths (``task.train.source``, ``task.eval[].source``, ``task.corpus``) resolve against the file
+    that names them, so a config works from any working directory.
+    """
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"no config file at {p}")
     if p.resolve() in _seen:
         raise ConfigError(f"{p}: include cycle")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = p.read_bytes()[: err.start].count(b"\n") + 1
+        raise ConfigError(f"{p}, line {line}: not UTF-8 text (byte 0x{err.object[err.start]:02x} at offset "
+                          f"{err.start}); save the file as UTF-8") from None
+    except OSError as err:
+        raise ConfigError(f"{p}: cannot read the config ({err.strerror or err})") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise ConfigError(f"{p}: not valid YAML ({err})") from None
+    if data is None:
+        raise ConfigError(f"{p}: the config file is empty; give at least the sections you change "
+                          f"(see configs/ for examples) — an empty file would silently run every default")
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: the top level must be a mapping of sections")
     include = data.pop("include", None)
-    if include:
-        data = _deep_merge(read_yaml(p.parent / include, _seen + (p.resolve(),)), data)
+    _resolve_data_paths(data, p.parent)
+    if include is not None:
+        includes = [include] if isinstance(include, str) else include
+        if not isinstance(includes, list) or not includes or not all(isinstance(i, str) and i for i in includes):
+            raise ConfigError(f"{p}: include: must be a file name or a list of file names, got {include!r}")
+        base: dict = {}
+        for name in includes:
+            base = _deep_merge(base, read_yaml(p.parent / name, _seen + (p.resolve(),)))
+        data = _deep_merge(base, data)
     return data
 
 

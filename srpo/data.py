@@ -53,7 +53,80 @@ def load_tasks(src: DataSource, kind: str) -> list[Task]:
     loader = load_math_file if kind == "math" else load_qa
     tasks, _ = loader(src.source, skip_bad_rows=src.skip_bad_rows, limit=limit, rows=rows)
     name = source_name(src)
+    check_kind_fits(tasks, kind, src.source)
     return [Task(t.task_id, t.question, t.answers, t.kind, name, t.meta) for t in tasks]
+
+
+# ------------------------------------------------------------------ which grader fits a dataset
+
+_MATH_MARKS = set("0123456789\\^_{}$=+-*/<>()[]|.,:;!%")
+
+
+def _worked_solution(gold: str) -> bool:
+    """A GSM8K-style solution (``#### N``) or a long derivation: not a QA answer."""
+    return "####" in gold or len(gold.split()) > 30
+
+
+def _prose(gold: str) -> bool:
+    """Words without a digit or a math mark, e.g. 'Kauffman Stadium': not a math answer."""
+    letters = sum(c.isalpha() for c in gold)
+    return letters >= 2 and not any(c in _MATH_MARKS for c in gold)
+
+
+def check_kind_fits(tasks: list[Task], kind: str, source: str, sample: int = 200) -> None:
+    """Refuse a dataset whose gold answers do not fit ``kind``'s grader.
+
+    Graded by the wrong kind, a dataset scores silently wrong: a QA set under the math grader
+    compares text answers as math, GSM8K under the QA grader takes the whole worked solution as
+    the gold answer and everything scores 0.  Decided on the majority of the first ``sample``
+    tasks, so a few odd answers (MATH's word answers) do not trip it.
+    """
+    golds = [t.answers[0] for t in tasks[:sample] if t.answers]
+    if not golds:
+        return
+    if kind == "qa":
+        bad = [g for g in golds if _worked_solution(g)]
+        if 2 * len(bad) > len(golds):
+            raise DatasetError(
+                f"{source}: looks like a math dataset, not QA — {len(bad)} of the first {len(golds)} answers are "
+                f"worked solutions (e.g. {_short(bad[0])!r}); use task.kind: math (srpo eval: --kind math)")
+    else:
+        bad = [g for g in golds if _prose(g)]
+        if 2 * len(bad) > len(golds):
+            raise DatasetError(
+                f"{source}: looks like a QA dataset, not math — {len(bad)} of the first {len(golds)} gold answers are "
+                f"plain words (e.g. {_short(bad[0])!r}); use task.kind: qa (srpo eval: --kind qa)")
+
+
+def _short(text: str, n: int = 60) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def guess_kind(src: DataSource) -> str | None:
+    """``math`` or ``qa`` from a data file's rows (None for synthetic or hub sources)."""
+    if src.source == "synthetic_arithmetic":
+        return "math"
+    if src.source == "synthetic_kb":
+        return "qa"
+    if src.source.startswith("hub:"):
+        return None
+    from srpo.tasks.base import read_rows
+
+    rename = {theirs: ours for ours, theirs in src.fields.items()}
+    rows = []
+    for _, row in read_rows(src.source):
+        rows.append({rename.get(k, k): v for k, v in row.items()})
+        if len(rows) >= 50:
+            break
+    if any(k in rows[0] for k in ("golden_answers", "answers", "question_text", "answers_objects")):
+        return "qa"
+    if "problem" in rows[0]:
+        return "math"
+    answers = [str(r.get("answer", "")) for r in rows if r.get("answer") is not None]
+    if answers and 2 * sum(_prose(a) for a in answers) > len(answers):
+        return "qa"
+    return "math"
 
 
 def build_retriever(cfg: Config) -> BM25Retriever | None:

@@ -55,7 +55,7 @@ def run_demo(output_dir: str | None = None, steps: int | None = None, overrides:
           f"({cfg.workflow.options['num_workers']} workers + aggregator), method {cfg.method.name}, "
           f"torch threads {torch.get_num_threads()}")
     print("loading the model (the first run converts the GGUF once, ~30 s) ...", flush=True)
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, overwrite=True)  # the demo replaces its previous run in the folder
     held_out = {cfg.task.eval[0].name: load_tasks(cfg.task.eval[0], cfg.task.kind)}
 
     def run_eval(stem, title):

@@ -139,6 +139,7 @@ def run_cell(spec: dict, cell: dict, root: Path, progress: bool = True, train: b
         results = evaluate(trainer.policies, trainer.workflow, trainer.role_specs, datasets, k=ev.get("k", 4),
                            temperature=ev.get("temperature", cfg.workflow.temperature), seed=1000 + cell["seed"],
                            progress=progress)
+    trainer.close()
     run_dir.mkdir(parents=True, exist_ok=True)
     record = {**cell, "eval": results, "diagnostics": diagnostics(run_dir) if train else {},
               "minutes": (time.perf_counter() - started) / 60, "recipe": recipe}

@@ -100,6 +100,19 @@ def _file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+def _check_writable(folder: Path) -> None:
+    """Fail now, not after a conversion of half a minute, when the cache cannot be written."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".srpo-write-test-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise ModelLoadError(
+            f"cannot write the model cache {folder} ({err.strerror or err}); set SRPO_CACHE to a writable folder"
+        ) from None
+
+
 def converted_checkpoint(name: str, *, force: bool = False) -> Path:
     """Folder of the plain HF checkpoint of a GGUF-shipped model, converting it once if needed."""
     source = GGUF_MODELS[name]
@@ -107,6 +120,7 @@ def converted_checkpoint(name: str, *, force: bool = False) -> Path:
     if target.exists() and not force:
         _check_cache(target, name)
         return target
+    _check_writable(target.parent)
     folder, gguf_file = source.locate()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -164,6 +178,27 @@ def verify_cache(name: str) -> None:
             raise ModelLoadError(f"{target / fname} does not match its recorded digest; delete {target} and load again")
 
 
+def _check_hub_id(name: str) -> None:
+    """A name that is neither registered nor a local folder must be a hub id that is cached or
+    reachable.  One quick request decides it; otherwise transformers retries for ~50 s offline."""
+    from huggingface_hub import constants, model_info, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    known = f"registered names: {', '.join(registered_names())}; or pass a local folder with config.json"
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return  # in the local Hugging Face cache: loads offline
+    if constants.HF_HUB_OFFLINE:
+        raise ModelLoadError(f"{name!r} is not in the Hugging Face cache and HF_HUB_OFFLINE is set; {known}")
+    try:
+        model_info(name, timeout=10)
+    except (RepositoryNotFoundError, GatedRepoError) as err:
+        what = "is gated (accept its licence and log in)" if isinstance(err, GatedRepoError) else "was not found"
+        raise ModelLoadError(f"model {name!r} {what} on the Hugging Face hub; {known}") from None
+    except Exception as err:  # connection refused, DNS, timeout, proxy: the hub cannot be reached
+        raise ModelLoadError(f"{name!r} is not a registered model or a local folder, and the Hugging Face hub "
+                             f"cannot be reached to find it ({err.__class__.__name__}: {str(err)[:120]}); {known}") from None
+
+
 def load_model(
     name_or_path: str,
     *,
@@ -196,6 +231,8 @@ def load_model(
                 raise ModelLoadError(
                     f"no model folder at {name_or_path!r}; registered names: {', '.join(registered_names())}"
                 )
+            if not looks_local:
+                _check_hub_id(name_or_path)
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)

@@ -49,8 +49,13 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
     if not p.is_file():
         raise DatasetError(f"{p}: no such dataset file")
     any_row = False
-    with open(p, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with open(p, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DatasetError(f"{p}, line {line_no}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column "
+                                   f"{err.start + 1}); convert the file to UTF-8") from None
             if not line.strip():
                 continue
             try:
