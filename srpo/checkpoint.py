@@ -154,10 +154,13 @@ def save_checkpoint(run_dir: Path, step: int, policies, tensor_state: dict[str, 
         os.replace(tmp, final)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(err, (OSError, RuntimeError)) and not isinstance(err, CheckpointError):
+        # Any failure of the write — OSError from Python, RuntimeError from torch's zip writer
+        # ("enforce fail ... unexpected pos"), a bare Exception from the tokenizers' Rust code —
+        # is reported the same way; Ctrl-C and other BaseExceptions pass through unchanged.
+        if isinstance(err, Exception) and not isinstance(err, CheckpointError):
             previous = latest_pointer(run_dir)
             free = shutil.disk_usage(root).free / 2**20
-            reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err).splitlines()[0]
+            reason = err.strerror if isinstance(err, OSError) and err.strerror else (str(err).splitlines() or [repr(err)])[0]
             raise CheckpointError(
                 f"could not write checkpoint {final} ({reason}; {free:.0f} MiB free on that disk). "
                 f"Nothing was replaced: {'the previous checkpoint ' + previous.name + ' is intact' if previous else 'no earlier checkpoint exists'}."
