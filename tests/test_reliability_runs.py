@@ -585,3 +585,19 @@ def test_a_crafted_pickle_in_the_trainer_state_is_refused_not_run(tmp_path, capl
     assert main(["eval", "--model", str(run), "--data", "synthetic_arithmetic:level=1:n=1", "-k", "1",
                  "--max-new-tokens", "2"]) == 0  # eval reads the weights only
     assert not marker.exists()
+
+
+# ------------------------------------------------------------------------ the fault soak, briefly
+
+@pytest.mark.slow
+def test_fault_soak_in_brief(tmp_path):
+    """Two random kills (the full soak in benchmarks/ does 20+), resumed to the clean run's bits."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from fault_soak import soak
+    finally:
+        sys.path.pop(0)
+    summary = soak(tmp_path / "soak", kills=2, steps=40, seed=3, max_delay=0.3, sigint_timeout=30, log=lambda *_: None)
+    assert summary["kills"] >= 2 and summary["sigint_hangs"] == 0
+    assert summary["weights_bit_equal"] and summary["metrics_equal"] and summary["samples_equal"]
+    assert summary["ok"], {k: v for k, v in summary.items() if k != "events"}
