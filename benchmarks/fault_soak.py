@@ -101,7 +101,9 @@ def soak(out: Path, *, kills: int, steps: int, seed: int, max_delay: float, sigi
         # Let it get going: kill only after it logged a step (or at once when it is already done).
         while proc.poll() is None and logged_steps(victim) <= before:
             time.sleep(0.02)
-        if proc.poll() is None and len(events) < kills:
+        if len(events) >= kills:  # enough kills: this start runs to the end
+            proc.wait()
+        else:
             time.sleep(rng.uniform(0, max_delay))
         if proc.poll() is not None:
             err = proc.stderr.read()

@@ -19,7 +19,6 @@ falls back to the previous one, with a warning naming what was wrong.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -32,6 +31,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from srpo.fileio import sha256_file, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -75,23 +76,6 @@ def set_rng_state(plain: dict[str, Any], tensors: dict[str, torch.Tensor], gener
 
 
 # ------------------------------------------------------------------------------------ writing
-
-
-def _write_atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _files(folder: Path) -> list[Path]:
@@ -147,8 +131,8 @@ def save_checkpoint(run_dir: Path, step: int, policies, tensor_state: dict[str, 
         files = {}
         for p in _files(tmp):
             _fsync(p)
-            files[p.relative_to(tmp).as_posix()] = {"size": p.stat().st_size, "sha256": _sha256(p)}
-        _write_atomic_text(tmp / MANIFEST, json.dumps({"format": FORMAT, "step": step, "files": files}, indent=1))
+            files[p.relative_to(tmp).as_posix()] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
+        write_text_atomic(tmp / MANIFEST, json.dumps({"format": FORMAT, "step": step, "files": files}, indent=1))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -166,7 +150,7 @@ def save_checkpoint(run_dir: Path, step: int, policies, tensor_state: dict[str, 
                 f"Nothing was replaced: {'the previous checkpoint ' + previous.name + ' is intact' if previous else 'no earlier checkpoint exists'}."
             ) from err
         raise
-    _write_atomic_text(root / "latest", final.name)
+    write_text_atomic(root / "latest", final.name)
     steps = sorted(p for p in root.glob("step_*") if p.is_dir())
     for old in steps[:-keep] if keep > 0 else []:
         if old != final:
@@ -214,7 +198,7 @@ def verify(path: Path, *, digests: bool = True) -> str | None:
         size = p.stat().st_size
         if size != want["size"]:
             return f"{rel} is {size} bytes, the manifest says {want['size']} (truncated or overwritten)"
-        if digests and _sha256(p) != want["sha256"]:
+        if digests and sha256_file(p) != want["sha256"]:
             return f"{rel} does not match its SHA-256 in the manifest (damaged)"
     return None
 

@@ -73,23 +73,38 @@ def _checkpoint_for_eval(model: str) -> Path | None:
     """The training checkpoint ``--model`` names — a checkpoint folder, a run's ``checkpoints``
     folder or a run folder (its newest complete checkpoint) — or None for a model name or a plain
     HF model folder (which has a config.json too, but no manifest or trainer state)."""
-    from srpo.checkpoint import CheckpointError, is_checkpoint, latest_checkpoint, verify
+    from srpo.checkpoint import CONFIG_FILE, MANIFEST, CheckpointError, candidates, is_checkpoint, verify
+
+    def usable(folder: Path) -> str | None:
+        """What keeps ``folder``'s weights from being evaluated (None: fine).  A checkpoint of an
+        older srpo has no manifest: its weights (safetensors, no code) are still read, with a warning."""
+        problem = verify(folder, digests=False)
+        if problem and not (folder / MANIFEST).exists() and (folder / "model").is_dir() \
+                and (folder / CONFIG_FILE).is_file():
+            logging.getLogger("srpo.cli").warning("%s has no %s (written by an older srpo): its files "
+                                                  "cannot be verified", folder, MANIFEST)
+            return None
+        return problem
 
     path = Path(model)
     if not path.is_dir():
         return None
     if is_checkpoint(path):
-        problem = verify(path, digests=False)
+        problem = usable(path)
         if problem:
             raise CheckpointError(f"{path}: {problem}")
         return path
     run_dir = path if (path / "checkpoints").is_dir() else path.parent if path.name == "checkpoints" else None
     if run_dir is None:
         return None  # a plain model folder
-    found = latest_checkpoint(run_dir)
-    if found is None:
-        raise CheckpointError(f"{run_dir / 'checkpoints'}: no complete checkpoint to evaluate")
-    return found
+    problems = []
+    for folder in candidates(run_dir):
+        problem = usable(folder)
+        if problem is None:
+            return folder
+        problems.append(f"{folder.name}: {problem}")
+    raise CheckpointError(f"{run_dir / 'checkpoints'}: no complete checkpoint to evaluate"
+                          + (":\n  " + "\n  ".join(problems) if problems else ""))
 
 
 def _eval(args) -> int:

@@ -601,3 +601,13 @@ def test_fault_soak_in_brief(tmp_path):
     assert summary["kills"] >= 2 and summary["sigint_hangs"] == 0
     assert summary["weights_bit_equal"] and summary["metrics_equal"] and summary["samples_equal"]
     assert summary["ok"], {k: v for k, v in summary.items() if k != "events"}
+
+
+def test_eval_reads_the_weights_of_an_older_checkpoint_without_a_manifest(tmp_path, caplog):
+    run = tmp_path / "run"
+    trained(run, ["run.steps=1"])
+    (run / "checkpoints" / "step_0000001" / "manifest.json").unlink()  # as written by srpo before format 2
+    with caplog.at_level("WARNING"):
+        assert main(["eval", "--model", str(run), "--data", "synthetic_arithmetic:level=1:n=1", "-k", "1",
+                     "--max-new-tokens", "2"]) == 0
+    assert "written by an older srpo" in caplog.text

@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -29,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from srpo.fileio import sha256_file
 from srpo.policies.attention import use_cpu_float32_attention
 
 COMPLETE_MARKER = "srpo-conversion.json"
@@ -92,14 +92,6 @@ def registered_names() -> list[str]:
     return sorted([*GGUF_MODELS, *TINY_MODELS])
 
 
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _check_writable(folder: Path) -> None:
     """Fail now, not after a conversion of half a minute, when the cache cannot be written."""
     try:
@@ -138,7 +130,7 @@ def converted_checkpoint(name: str, *, force: bool = False) -> Path:
     try:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        files = {p.name: _file_digest(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         (tmp / COMPLETE_MARKER).write_text(json.dumps({"source": f"{folder}/{gguf_file}", "files": files}, indent=1))
         if target.exists():
             shutil.rmtree(target)
@@ -174,7 +166,7 @@ def verify_cache(name: str) -> None:
     _check_cache(target, name)
     files = json.loads((target / COMPLETE_MARKER).read_text())["files"]
     for fname, digest in files.items():
-        if _file_digest(target / fname) != digest:
+        if sha256_file(target / fname) != digest:
             raise ModelLoadError(f"{target / fname} does not match its recorded digest; delete {target} and load again")
 
 
