@@ -169,9 +169,24 @@ class TrainConfig:
 
 @dataclass
 class LogConfig:
+    backends: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """Experiment trackers, any subset of tensorboard, wandb, mlflow, trackio (each but tensorboard
+    an optional extra: pip install 'srpo[wandb]', 'srpo[mlflow]', 'srpo[trackio]'); see srpo.trackers."""
     tensorboard: bool = True
+    """false leaves tensorboard out of ``backends`` (a shorthand kept for older configs)."""
+    project: str = "srpo"
+    """W&B and trackio project, MLflow experiment."""
+    run_name: str = ""
+    """The run's name in the trackers (default: the run folder's name)."""
+    mlflow_tracking_uri: str = ""
+    """MLflow tracking server or store (default: $MLFLOW_TRACKING_URI, else a file store in <run>/mlruns)."""
+    wandb_mode: str = ""
+    """online, offline or disabled (default: $WANDB_MODE, else online)."""
     sample_episodes: int = 2
     """Episodes per step written in full to samples.jsonl."""
+
+    def active_backends(self) -> list[str]:
+        return [b for b in self.backends if self.tensorboard or b != "tensorboard"]
 
 
 @dataclass
@@ -312,6 +327,16 @@ def validate(cfg: Config) -> Config:
                         ("eval.k", cfg.eval.k), ("train.chunk_tokens", cfg.train.chunk_tokens),
                         ("model.lora.r", cfg.model.lora.r)]:
         _positive(path, value)
+    from srpo.trackers import TRACKERS, WANDB_MODES, missing_package
+
+    for backend in cfg.log.backends:
+        _choice("log.backends", backend, list(TRACKERS))
+        need = missing_package(backend)
+        if need:
+            raise ConfigError(f"log.backends: {backend} is not installed; pip install '{need}'")
+    if len(set(cfg.log.backends)) != len(cfg.log.backends):
+        raise ConfigError(f"log.backends: a tracker is named twice: {cfg.log.backends}")
+    _choice("log.wandb_mode", cfg.log.wandb_mode, WANDB_MODES)
     _positive("train.weight_decay", cfg.train.weight_decay, allow_zero=True)
     _positive("train.max_grad_norm", cfg.train.max_grad_norm, allow_zero=True)
     _positive("eval.temperature", cfg.eval.temperature, allow_zero=True)

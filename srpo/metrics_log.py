@@ -1,4 +1,4 @@
-"""Where metrics go: ``metrics.jsonl`` (one line per step), TensorBoard, and sample episodes.
+"""Where metrics go: ``metrics.jsonl`` (one line per step), the experiment trackers, sample episodes.
 
 The two ``.jsonl`` files are append-only logs.  A process killed mid-write (or a full disk) can
 leave a cut-off last line: every reader here skips lines that are not JSON objects (counted, with
@@ -21,26 +21,32 @@ LOG_FILES = ("metrics.jsonl", "samples.jsonl")
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, tensorboard: bool = True, enabled: bool = True):
+    """``metrics.jsonl`` plus the experiment trackers of ``backends`` (see :mod:`srpo.trackers`).
+
+    ``tracker_options`` are the remaining :class:`~srpo.trackers.TrackerSettings` fields (project,
+    run_name, config, mlflow_tracking_uri, wandb_mode).
+    """
+
+    def __init__(self, run_dir: Path, backends=("tensorboard",), enabled: bool = True,
+                 tracker_options: dict | None = None):
         self.run_dir = Path(run_dir)
         self.enabled = enabled
-        self.tensorboard = tensorboard
-        self.writer = None
-        # TensorBoard events at or after this step are dropped when the writer opens: set on
-        # resume, so the curves continue from the checkpoint instead of doubling back.
+        self.backends = list(backends)
+        self.tracker_options = tracker_options or {}
+        self.trackers: list | None = None
+        # Events at or after this step are dropped where a tracker can (TensorBoard), and tracker
+        # runs are continued, not started anew: set on resume.
         self.purge_step: int | None = None
 
-    def _tensorboard_writer(self):
+    def _open_trackers(self) -> list:
         """Opened on the first row, after the run folder was claimed (or cleared)."""
-        if self.writer is None and self.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # tensorboard is a dependency; tolerate a trimmed install
-                self.tensorboard = False
-                return None
-            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=self.purge_step)
-            self.purge_step = None  # purged once; a writer reopened later must not purge this run's rows
-        return self.writer
+        if self.trackers is None:
+            from srpo.trackers import TrackerSettings, open_trackers
+
+            settings = TrackerSettings(self.run_dir, purge_step=self.purge_step, **self.tracker_options)
+            self.trackers = open_trackers(self.backends, settings)
+            self.purge_step = None  # purged once; trackers reopened later must not purge this run's rows
+        return self.trackers
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
@@ -48,12 +54,10 @@ class MetricsLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         _append_line(self.run_dir / "metrics.jsonl", json.dumps(row))
-        writer = self._tensorboard_writer()
-        if writer is not None:
-            for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-                    writer.add_scalar(k, v, step)
-            writer.flush()
+        scalars = {k: float(v) for k, v in row.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+        for tracker in self._open_trackers():
+            tracker.log(step, scalars)
 
     def samples(self, step: int, episodes: list[dict]) -> None:
         if not self.enabled or not episodes:
@@ -76,9 +80,9 @@ class MetricsLogger:
         self.purge_step = step + 1
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        for tracker in self.trackers or []:
+            tracker.close()
+        self.trackers = None
 
 
 def _append_line(path: Path, text: str) -> None:

@@ -6,7 +6,7 @@
   same folder is refused with the holder's pid, host and start time.  (``flock`` is per host: on
   a network file system shared by several hosts, give each run its own folder.)
 - :func:`previous_run` names what a folder already holds of another run (metrics, samples,
-  checkpoints, TensorBoard events); a new run refuses such a folder unless asked to overwrite,
+  checkpoints, tracker logs); a new run refuses such a folder unless asked to overwrite,
   and :func:`clear_previous_run` removes exactly those artefacts — nothing else in the folder.
 """
 
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 LOCK_FILE = ".lock"
 # What a training run writes into its folder; anything else (evaluation files, notes) is the
 # user's or another command's and is neither a reason to refuse nor deleted on overwrite.
-RUN_ARTEFACTS = ("metrics.jsonl", "samples.jsonl", "checkpoints", "tensorboard")
+RUN_ARTEFACTS = ("metrics.jsonl", "samples.jsonl", "checkpoints", "tensorboard", "trackers.json", "wandb", "mlruns")
 
 
 class RunDirError(RuntimeError):

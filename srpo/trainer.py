@@ -166,7 +166,10 @@ class Trainer:
         self.data_order = self._shuffled_order(0)
         self.nonfinite_in_a_row = 0
         self.totals = defaultdict(float)  # running counters (tokens, correct, skipped steps ...)
-        self.logger = MetricsLogger(self.run_dir, cfg.log.tensorboard, enabled=self.dist.rank == 0)
+        self.logger = MetricsLogger(
+            self.run_dir, cfg.log.active_backends(), enabled=self.dist.rank == 0,
+            tracker_options={"project": cfg.log.project, "run_name": cfg.log.run_name, "config": cfg.to_dict(),
+                             "mlflow_tracking_uri": cfg.log.mlflow_tracking_uri, "wandb_mode": cfg.log.wandb_mode})
 
     def _on_rank0_agreed(self, action) -> None:
         """Run ``action`` on rank 0; if it fails, every rank raises (none waits in a collective)."""

@@ -229,7 +229,7 @@ def test_an_append_after_a_cut_off_line_starts_on_a_line_of_its_own(tmp_path):
     from srpo.metrics_log import MetricsLogger
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "rew')
-    MetricsLogger(tmp_path, tensorboard=False).log(3, {"reward": 1.0})
+    MetricsLogger(tmp_path, backends=[]).log(3, {"reward": 1.0})
     assert steps_logged(tmp_path) == [1, 3]
 
 

@@ -1,0 +1,193 @@
+"""Experiment trackers: TensorBoard, Weights & Biases, MLflow, trackio — any subset, one interface.
+
+``log.backends`` names them; each but TensorBoard is an optional extra (``pip install
+'srpo[wandb]'``, ``[mlflow]``, ``[trackio]``, or ``[trackers]`` for all three), checked when the
+config is validated, before any model loads.  Every tracker receives the same scalar rows as
+``metrics.jsonl``.
+
+Resuming: the tracker run's id is kept in ``<run>/trackers.json`` and a resumed run logs into the
+same tracker run.  TensorBoard drops its events after the resumed step (``purge_step``); W&B,
+MLflow and trackio cannot delete logged points, so the rows a killed run logged after its last
+checkpoint stay there next to the resumed run's rows for the same steps (W&B keeps the first: its
+steps must increase).  ``metrics.jsonl`` is always the exact record.
+
+Where they write by default: TensorBoard ``<run>/tensorboard``; W&B its usual place (online, or
+``<run>/wandb`` offline with ``WANDB_MODE=offline`` / ``log.wandb_mode: offline``); MLflow a file
+store in ``<run>/mlruns`` (MLflow 3's maintenance-mode backend, allowed for it) unless ``log.mlflow_tracking_uri`` (or ``$MLFLOW_TRACKING_URI``) names a
+server; trackio its local database (``$TRACKIO_DIR``, default ``~/.cache/huggingface/trackio``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+IDS_FILE = "trackers.json"
+
+
+class Tracker(Protocol):
+    name: str
+
+    def log(self, step: int, scalars: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class TrackerSettings:
+    run_dir: Path
+    project: str = "srpo"
+    run_name: str = ""
+    config: dict | None = None
+    purge_step: int | None = None  # set on resume: the first step the resumed run logs
+    mlflow_tracking_uri: str = ""
+    wandb_mode: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.run_name or self.run_dir.resolve().name
+
+
+def _ids(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / IDS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _remember(run_dir: Path, backend: str, run_id: str) -> None:
+    ids = _ids(run_dir)
+    ids[backend] = run_id
+    (run_dir / IDS_FILE).write_text(json.dumps(ids))
+
+
+class TensorBoardTracker:
+    name = "tensorboard"
+
+    def __init__(self, s: TrackerSettings):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(s.run_dir / "tensorboard"), purge_step=s.purge_step)
+
+    def log(self, step, scalars):
+        for k, v in scalars.items():
+            self.writer.add_scalar(k, v, step)
+        self.writer.flush()
+
+    def close(self):
+        self.writer.close()
+
+
+class WandbTracker:
+    name = "wandb"
+
+    def __init__(self, s: TrackerSettings):
+        import wandb
+
+        run_id = _ids(s.run_dir).get("wandb") if s.purge_step is not None else None
+        self.run = wandb.init(project=s.project, name=s.name, id=run_id, resume="allow" if run_id else None,
+                              dir=str(s.run_dir), config=s.config, mode=s.wandb_mode or None,
+                              settings=wandb.Settings(silent=True, console="off"))
+        _remember(s.run_dir, "wandb", self.run.id)
+
+    def log(self, step, scalars):
+        self.run.log(scalars, step=step)
+
+    def close(self):
+        self.run.finish()
+
+
+# MLflow accepts alphanumerics, _ - . space : / in metric names.
+_MLFLOW_BAD = re.compile(r"[^\w\-. :/]")
+
+
+class MlflowTracker:
+    name = "mlflow"
+
+    def __init__(self, s: TrackerSettings):
+        from mlflow.tracking import MlflowClient
+
+        uri = s.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            # A file store needs no server and no database driver.  MLflow 3 keeps that backend in
+            # maintenance mode and refuses it unless this is set; a server or a database URI in
+            # log.mlflow_tracking_uri gets MLflow's newer features.
+            uri = (s.run_dir / "mlruns").resolve().as_uri()
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.client = MlflowClient(tracking_uri=uri)
+        run_id = _ids(s.run_dir).get("mlflow") if s.purge_step is not None else None
+        if run_id:
+            self.client.update_run(run_id, status="RUNNING")
+        else:
+            exp = self.client.get_experiment_by_name(s.project)
+            exp_id = exp.experiment_id if exp else self.client.create_experiment(s.project)
+            run_id = self.client.create_run(exp_id, run_name=s.name).info.run_id
+            for k, v in _flatten(s.config or {}).items():
+                self.client.log_param(run_id, k[:250], str(v)[:6000])
+        self.run_id = run_id
+        _remember(s.run_dir, "mlflow", run_id)
+
+    def log(self, step, scalars):
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(_MLFLOW_BAD.sub("_", k), float(v), now, step)
+                                                    for k, v in scalars.items()])
+
+    def close(self):
+        self.client.set_terminated(self.run_id)
+
+
+class TrackioTracker:
+    name = "trackio"
+
+    def __init__(self, s: TrackerSettings):
+        import trackio
+
+        self.trackio = trackio
+        resume = "allow" if s.purge_step is not None and "trackio" in _ids(s.run_dir) else "never"
+        self.run = trackio.init(project=s.project, name=s.name, config=s.config, resume=resume, embed=False,
+                                auto_log_gpu=False, auto_log_cpu=False)
+        _remember(s.run_dir, "trackio", s.name)
+
+    def log(self, step, scalars):
+        self.trackio.log(scalars, step=step)
+
+    def close(self):
+        self.trackio.finish()
+
+
+TRACKERS: dict[str, type] = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "mlflow": MlflowTracker,
+                             "trackio": TrackioTracker}
+# backend → (module that must import, pip extra)
+REQUIREMENTS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "srpo[wandb]"),
+                "mlflow": ("mlflow", "srpo[mlflow]"), "trackio": ("trackio", "srpo[trackio]")}
+WANDB_MODES = ("", "online", "offline", "disabled")
+
+
+def missing_package(backend: str) -> str | None:
+    """The pip requirement to install for ``backend``, or None when it is importable."""
+    module, extra = REQUIREMENTS[backend]
+    return None if importlib.util.find_spec(module) is not None else extra
+
+
+def open_trackers(backends: list[str], settings: TrackerSettings) -> list[Tracker]:
+    return [TRACKERS[b](settings) for b in backends]
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
