@@ -144,6 +144,9 @@ def _eval(args) -> int:
     data["task"]["eval"] = [s.__dict__ for s in sources]
     if args.corpus:
         data["task"]["corpus"] = args.corpus
+    if args.retriever_url:
+        data.setdefault("retriever", {})["url"] = args.retriever_url
+        data["task"]["corpus"] = ""
     if args.max_new_tokens:
         data["workflow"]["max_new_tokens"] = args.max_new_tokens
     cfg = config_from_dict(data)
@@ -228,6 +231,20 @@ def _number(kind, minimum, what):
     return parse
 
 
+def _retriever(args) -> int:
+    from srpo.data import corpus_passages
+    from srpo.tasks.retrieval_service import serve
+    from srpo.tasks.search import BM25Retriever
+
+    started = __import__("time").perf_counter()
+    passages = corpus_passages(args.corpus)
+    index = BM25Retriever(passages)
+    print(f"BM25 over {len(passages)} passages of {args.corpus} ({__import__('time').perf_counter() - started:.1f} s); "
+          f"serving POST http://{args.host}:{args.port}/retrieve (Ctrl-C stops)", file=sys.stderr, flush=True)
+    serve(index, host=args.host, port=args.port, default_topk=args.topk)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="srpo", description="Setwise Relative Policy Optimization for multi-agent LLMs")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -250,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kind", choices=["math", "qa"], default=None,
                    help="the grader (default: from the workflow, else from the data's rows)")
     p.add_argument("--corpus", default="", help="search workflows: corpus jsonl or synthetic_kb")
+    p.add_argument("--retriever-url", default="", help="search workflows: a retrieval server instead of --corpus")
     p.add_argument("-k", type=_number(int, 1, "an integer ≥ 1"), default=16, help="samples per problem")
     p.add_argument("--n", type=_number(int, 0, "an integer ≥ 0"), default=0, help="problems per dataset (0: all)")
     p.add_argument("--temperature", type=_number(float, 0, "a finite number ≥ 0"), default=1.0)
@@ -273,6 +291,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="?")
     p.add_argument("--force", action="store_true")
     p.set_defaults(func=_models)
+
+    p = sub.add_parser("retriever", help="serve BM25 retrieval over HTTP (the Search-R1 retrieval API)")
+    p.add_argument("action", choices=["serve"])
+    p.add_argument("--corpus", required=True, help="passages jsonl (id, title, text) or synthetic_kb:n=40:seed=0")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=_number(int, 1, "a port number"), default=8000)
+    p.add_argument("--topk", type=_number(int, 1, "an integer ≥ 1"), default=3, help="passages per query when a request names none")
+    p.set_defaults(func=_retriever)
 
     from srpo.study import add_study_parser
 

@@ -208,6 +208,17 @@ class EvalConfig:
 
 
 @dataclass
+class RetrieverConfig:
+    url: str = ""
+    """A Search-R1-compatible retrieval server (``srpo retriever serve``, or an e5/FAISS one), e.g.
+    http://127.0.0.1:8000/retrieve; replaces ``task.corpus`` for the search workflows."""
+    timeout_s: float = 5.0
+    """Per request; a timed-out request is retried."""
+    retries: int = 2
+    """Further tries of a failed request before the tool call fails (counted; the episode goes on)."""
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -218,6 +229,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -366,8 +378,15 @@ def validate(cfg: Config) -> Config:
         workflow = build_workflow(cfg.workflow.name, **opts)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"workflow.options: {err}") from None
-    if cfg.workflow.name in SEARCH_WORKFLOWS and not cfg.task.corpus:
-        raise ConfigError(f"task.corpus: the {cfg.workflow.name} workflow needs a corpus (a jsonl path or synthetic_kb)")
+    if cfg.workflow.name in SEARCH_WORKFLOWS and not cfg.task.corpus and not cfg.retriever.url:
+        raise ConfigError(f"task.corpus: the {cfg.workflow.name} workflow needs a corpus (a jsonl path or synthetic_kb) "
+                          f"or a retrieval server (retriever.url)")
+    if cfg.task.corpus and cfg.retriever.url:
+        raise ConfigError("retriever.url: a run retrieves from a server or from task.corpus, not both; unset one")
+    if cfg.retriever.url and not cfg.retriever.url.startswith(("http://", "https://")):
+        raise ConfigError(f"retriever.url: expected http://host:port/retrieve, got {cfg.retriever.url!r}")
+    _positive("retriever.timeout_s", cfg.retriever.timeout_s)
+    _positive("retriever.retries", cfg.retriever.retries, allow_zero=True)
     roles = set(workflow.roles())
     for role in cfg.workflow.roles:
         if role not in roles:

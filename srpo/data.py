@@ -129,8 +129,13 @@ def guess_kind(src: DataSource) -> str | None:
     return "math"
 
 
-def build_retriever(cfg: Config) -> BM25Retriever | None:
-    """BM25 over the configured corpus; ``synthetic_kb`` joins the KBs of every synthetic source."""
+def build_retriever(cfg: Config):
+    """A client of ``retriever.url``, or BM25 over the configured corpus (``synthetic_kb`` joins the
+    KBs of every synthetic source); None when the run retrieves nothing."""
+    if cfg.retriever.url:
+        from srpo.tasks.retrieval_service import HTTPRetriever
+
+        return HTTPRetriever(cfg.retriever.url, timeout_s=cfg.retriever.timeout_s, retries=cfg.retriever.retries)
     if not cfg.task.corpus:
         return None
     if cfg.task.corpus == "synthetic_kb":
@@ -142,3 +147,17 @@ def build_retriever(cfg: Config) -> BM25Retriever | None:
             raise DatasetError("task.corpus is synthetic_kb but no data source is synthetic_kb")
         return BM25Retriever(passages)
     return BM25Retriever(load_corpus(cfg.task.corpus))
+
+
+def corpus_passages(spec: str) -> list[Passage]:
+    """A corpus jsonl, or ``synthetic_kb:n=40:seed=0`` (the synthetic KB's passages)."""
+    if spec.startswith("synthetic_kb"):
+        params = dict(p.partition("=")[::2] for p in spec.split(":")[1:])
+        unknown = set(params) - {"n", "seed"}
+        if unknown:
+            raise DatasetError(f"{spec}: unknown parameter {sorted(unknown)[0]!r}; valid: n, seed")
+        try:
+            return synthetic_kb(int(params.get("n", 40)), seed=int(params.get("seed", 0)))[0]
+        except ValueError:
+            raise DatasetError(f"{spec}: n and seed must be integers") from None
+    return load_corpus(spec)

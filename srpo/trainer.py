@@ -444,6 +444,8 @@ class Trainer:
         metrics.update(self._episode_metrics(episodes, valid, dropped))
         if old_gap is not None:
             metrics["old_vs_behaviour_max_abs"] = old_gap
+        for key, count in getattr(self.retriever, "stats", {}).items():  # a retrieval server's client
+            metrics[f"retriever/{key}"] = count  # since the run (this process) started
         metrics.update({"time/rollout_s": t_rollout, "time/update_s": t_update,
                         "time/step_s": time.perf_counter() - t0,
                         "lr": self.schedulers[self.policies.policy_ids[0]].get_last_lr()[0]})

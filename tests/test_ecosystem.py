@@ -118,3 +118,171 @@ def test_an_unknown_or_missing_tracker_fails_before_any_model(monkeypatch):
         load_config(None, ["log.backends=[wandb]"])
     with pytest.raises(ConfigError, match="log.wandb_mode"):
         load_config(None, ["log.wandb_mode=sometimes"])
+
+
+# ---------------------------------------------------------------------------- retrieval service
+
+import socket  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+import urllib.request  # noqa: E402
+
+SHARED = ROOT.parent / "shared" / "data"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc=None, seconds: float = 120) -> dict:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the server exited: {proc.stderr.read()[-2000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                return json.loads(r.read())
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError(f"{url} did not come up")
+
+
+@pytest.fixture
+def bm25_server(request):
+    """``srpo retriever serve`` as a user starts it, on 127.0.0.1 and a free port."""
+    corpus = getattr(request, "param", "synthetic_kb:n=40:seed=2")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "srpo.cli", "retriever", "serve", "--corpus", corpus,
+                             "--port", str(port)], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        health = wait_healthy(f"http://127.0.0.1:{port}/health", proc)
+        yield f"http://127.0.0.1:{port}/retrieve", corpus, health
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _queries_for(corpus: str) -> list[str]:
+    from srpo.data import corpus_passages
+
+    passages = corpus_passages(corpus)
+    return [p.title for p in passages[:15]] + [" ".join(p.text.split()[:6]) for p in passages[-15:]] + ["", "zzzz qqqq"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bm25_server", [
+    "synthetic_kb:n=40:seed=2",
+    pytest.param(str(SHARED / "hotpotqa_dev500_corpus.jsonl"),
+                 marks=pytest.mark.skipif(not SHARED.is_dir(), reason="needs ../shared/data")),
+], indirect=True, ids=["synthetic_kb", "hotpotqa"])
+def test_the_server_returns_what_the_in_process_index_returns(bm25_server):
+    from srpo.data import corpus_passages
+    from srpo.tasks.retrieval_service import HTTPRetriever
+    from srpo.tasks.search import BM25Retriever
+
+    url, corpus, health = bm25_server
+    local = BM25Retriever(corpus_passages(corpus))
+    assert health["passages"] == len(local.passages)
+    remote = HTTPRetriever(url)
+    queries = _queries_for(corpus)
+    for k in (1, 3, 5):
+        assert remote.search_many(queries, k) == local.search_many(queries, k)
+    assert remote.search(queries[0], 3) == local.search(queries[0], 3)
+    assert remote.stats == {"requests": 4, "retries": 0, "failures": 0, "timeouts": 0}
+    # The raw API is Search-R1's: documents with "Title"\ntext contents, and scores on request.
+    body = json.dumps({"queries": queries[:2], "topk": 2, "return_scores": True}).encode()
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        result = json.loads(r.read())["result"]
+    first = local.search_many_scored(queries[:1], 2)[0][0]
+    assert result[0][0]["document"]["contents"] == f'"{first[0].title}"\n{first[0].text}'
+    assert result[0][0]["score"] == pytest.approx(first[1])
+    body = json.dumps({"queries": queries[:1]}).encode()  # no topk, no scores: the server default, bare documents
+    with urllib.request.urlopen(urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})) as r:
+        bare = json.loads(r.read())["result"][0]
+    assert "score" not in bare[0] and [d["id"] for d in bare] == [p.pid for p in local.search(queries[0], 3)]
+
+
+def test_search_r1_documents_parse_without_srpo_fields():
+    from srpo.tasks.retrieval_service import passage_from
+
+    assert passage_from({"document": {"id": "7", "contents": '"Paris"\nThe capital of France.'}, "score": 3.0}) == \
+        __import__("srpo.tasks.search", fromlist=["Passage"]).Passage("7", "Paris", "The capital of France.")
+    assert passage_from({"id": "8", "contents": "no title here"}).text == "no title here"
+
+
+class _SlowApp:
+    """A compatible server that answers too late (a real uvicorn server in a thread)."""
+
+    def __init__(self, delay: float):
+        import uvicorn
+        from fastapi import FastAPI
+
+        app = FastAPI()
+
+        @app.post("/retrieve")
+        def retrieve(body: dict):
+            time.sleep(delay)
+            return {"result": [[] for _ in body["queries"]]}
+
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started and time.time() < deadline:
+            time.sleep(0.05)
+        return f"http://127.0.0.1:{self.port}/retrieve"
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def test_an_unreachable_or_slow_server_costs_the_tool_call_not_the_run():
+    from srpo.policies.scripted import ScriptedPolicies
+    from srpo.tasks.rewards import task_reward
+    from srpo.tasks.retrieval_service import HTTPRetriever, RetrieverUnavailable
+    from srpo.tasks.search import synthetic_kb
+    from srpo.workflows import Runtime, build_workflow
+
+    _, tasks = synthetic_kb(6, seed=2)
+    nowhere = HTTPRetriever(f"http://127.0.0.1:{free_port()}/retrieve", timeout_s=0.5, retries=2, backoff_s=0.01)
+    with pytest.raises(RetrieverUnavailable, match="after 3 tries"):
+        nowhere.search("anything", 3)
+    assert nowhere.stats == {"requests": 3, "retries": 2, "failures": 1, "timeouts": 0}
+
+    wf = build_workflow("search", retriever=nowhere, max_turns=2)
+    rt = Runtime(ScriptedPolicies(lambda role, prompt: "<search>who</search>", wf.roles()), wf.default_role_specs(),
+                 task_reward)
+    results = rt.run(wf, [(f"e{i}", t) for i, t in enumerate(tasks[:3])])
+    assert len(results) == 3 and all(r.info["tool_errors"] >= 1 for r in results)  # each search failed ...
+    assert "workflow" not in rt.failures  # ... and the episodes went on
+    assert nowhere.stats["failures"] == 1 + sum(r.info["tool_errors"] for r in results)
+
+    with _SlowApp(delay=1.5) as url:
+        slow = HTTPRetriever(url, timeout_s=0.3, retries=1, backoff_s=0.01)
+        start = time.perf_counter()
+        with pytest.raises(RetrieverUnavailable, match="no answer within 0.3 s"):
+            slow.search("anything", 3)
+        assert time.perf_counter() - start < 1.5
+        assert slow.stats == {"requests": 2, "retries": 1, "failures": 1, "timeouts": 2}
+
+
+def test_a_run_config_names_a_server_instead_of_a_corpus():
+    from srpo.config import ConfigError, load_config
+    from srpo.data import build_retriever
+    from srpo.tasks.retrieval_service import HTTPRetriever
+
+    base = ROOT / "configs/search/search/srpo.yaml"
+    cfg = load_config(base, ["task.corpus=''", "retriever.url=http://127.0.0.1:9/retrieve"])
+    assert isinstance(build_retriever(cfg), HTTPRetriever)
+    with pytest.raises(ConfigError, match="not both"):
+        load_config(base, ["retriever.url=http://127.0.0.1:9/retrieve"])
+    with pytest.raises(ConfigError, match="needs a corpus .* or a retrieval server"):
+        load_config(base, ["task.corpus=''"])

@@ -52,13 +52,15 @@ class BM25Retriever:
 
     def search_many(self, queries: Sequence[str], k: int = 3) -> list[list[Passage]]:
         """Top-k passages for each query, best first (an empty query returns nothing)."""
+        return [[p for p, _ in row] for row in self.search_many_scored(queries, k)]
+
+    def search_many_scored(self, queries: Sequence[str], k: int = 3) -> list[list[tuple[Passage, float]]]:
+        """Top-k ``(passage, BM25 score)`` for each query, best first; passages scoring 0 are left out."""
         k = min(k, len(self.passages))
         tokens = self._bm25s.tokenize(list(queries), stopwords="en", show_progress=False, allow_empty=True)
         docs, scores = self.index.retrieve(tokens, k=k, show_progress=False)
-        out = []
-        for row_docs, row_scores in zip(docs, scores):
-            out.append([self.passages[int(d)] for d, s in zip(row_docs, row_scores) if s > 0])
-        return out
+        return [[(self.passages[int(d)], float(s)) for d, s in zip(row_docs, row_scores) if s > 0]
+                for row_docs, row_scores in zip(docs, scores)]
 
 
 def load_corpus(path: str | Path) -> list[Passage]:

@@ -1,0 +1,147 @@
+"""Retrieval as a service: a BM25 server and a client, speaking the Search-R1 retrieval API.
+
+Search-R1 and Dr. MAS run one retrieval server (FastAPI; e5 embeddings over FAISS) that every
+rollout worker shares.  ``srpo retriever serve`` serves srpo's BM25 index over the same API, and
+:class:`HTTPRetriever` — a retriever like any other for the search workflows — talks to it or to
+any compatible server (``retriever: {url: http://host:port/retrieve}`` in a run config).
+
+The API (``POST /retrieve``)::
+
+    request:  {"queries": ["q1", "q2"], "topk": 3, "return_scores": true}
+    response: {"result": [[{"document": {"id": "...", "contents": "\\"Title\\"\\ntext"}, "score": 7.1}, ...], ...]}
+
+Without ``return_scores`` each entry is the document itself.  ``contents`` is Search-R1's
+``"Title"\\ntext``; srpo's server adds ``title`` and ``text`` fields, which the client prefers when
+present.  ``GET /health`` reports the corpus size.
+"""
+
+# No ``from __future__ import annotations`` here: FastAPI reads the request model's annotations
+# at run time, and they must resolve inside build_app.
+
+import logging
+import threading
+import time
+from typing import Any, Sequence
+
+from srpo.tasks.search import BM25Retriever, Passage
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------------ server
+
+
+def document(p: Passage) -> dict[str, str]:
+    return {"id": p.pid, "contents": f'"{p.title}"\n{p.text}' if p.title else p.text, "title": p.title, "text": p.text}
+
+
+def build_app(retriever: BM25Retriever, default_topk: int = 3):
+    """The FastAPI application serving ``retriever``."""
+    from fastapi import FastAPI, HTTPException
+    from pydantic import BaseModel, Field
+
+    class QueryRequest(BaseModel):
+        queries: list[str] = Field(max_length=4096)
+        topk: int | None = Field(default=None, ge=1, le=1000)
+        return_scores: bool = False
+
+    app = FastAPI(title="srpo BM25 retrieval (Search-R1 API)")
+
+    @app.get("/health")
+    def health() -> dict[str, Any]:
+        return {"status": "ok", "passages": len(retriever.passages), "retriever": "bm25"}
+
+    @app.post("/retrieve")
+    def retrieve(request: QueryRequest) -> dict[str, Any]:
+        if not request.queries:
+            raise HTTPException(status_code=422, detail="queries must hold at least one query")
+        results = retriever.search_many_scored(request.queries, request.topk or default_topk)
+        if request.return_scores:
+            return {"result": [[{"document": document(p), "score": s} for p, s in row] for row in results]}
+        return {"result": [[document(p) for p, _ in row] for row in results]}
+
+    return app
+
+
+def serve(retriever: BM25Retriever, host: str = "127.0.0.1", port: int = 8000, default_topk: int = 3) -> None:
+    import uvicorn
+
+    uvicorn.run(build_app(retriever, default_topk), host=host, port=port, log_level="warning")
+
+
+# ------------------------------------------------------------------------------------ client
+
+
+class RetrieverUnavailable(RuntimeError):
+    """The retrieval server did not answer usefully within the retries; costs the tool call."""
+
+
+def passage_from(entry: dict) -> Passage:
+    """A passage from one result entry: ``{"document": {...}, "score": s}`` or the document itself."""
+    doc = entry.get("document", entry) if isinstance(entry, dict) else {}
+    if not isinstance(doc, dict):
+        raise ValueError(f"a result entry is not a document: {str(entry)[:80]}")
+    if "text" in doc:
+        return Passage(str(doc.get("id", "")), str(doc.get("title", "")), str(doc["text"]))
+    contents = str(doc.get("contents", ""))
+    first, _, rest = contents.partition("\n")
+    if rest:  # Search-R1's "Title"\ntext
+        return Passage(str(doc.get("id", "")), first.strip().strip('"'), rest)
+    return Passage(str(doc.get("id", "")), "", contents)
+
+
+class HTTPRetriever:
+    """A retriever that asks a Search-R1-compatible server.
+
+    Each request has ``timeout_s``; a failed or timed-out request is retried ``retries`` times
+    (``backoff_s`` doubling between tries), then :class:`RetrieverUnavailable` is raised — which
+    the workflow runtime counts as a failed tool call (the episode goes on).  ``stats`` counts
+    requests, retries, failures and timeouts over the client's life.
+    """
+
+    def __init__(self, url: str, *, timeout_s: float = 5.0, retries: int = 2, backoff_s: float = 0.2):
+        import httpx
+
+        self.url = url if url.rstrip("/").endswith("/retrieve") else url.rstrip("/") + "/retrieve"
+        self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self._httpx = httpx
+        self._client = httpx.Client(timeout=timeout_s)
+        self._lock = threading.Lock()  # tools run in a thread pool
+        self.stats = {"requests": 0, "retries": 0, "failures": 0, "timeouts": 0}
+
+    def _count(self, key: str) -> None:
+        with self._lock:
+            self.stats[key] += 1
+
+    def search(self, query: str, k: int = 3) -> list[Passage]:
+        return self.search_many([query], k)[0]
+
+    def search_many(self, queries: Sequence[str], k: int = 3) -> list[list[Passage]]:
+        body = {"queries": list(queries), "topk": k, "return_scores": True}
+        last = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                self._count("retries")
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            self._count("requests")
+            try:
+                response = self._client.post(self.url, json=body)
+                response.raise_for_status()
+                rows = response.json()["result"]
+                if len(rows) != len(queries):
+                    raise ValueError(f"{len(rows)} result lists for {len(queries)} queries")
+                return [[passage_from(e) for e in row][:k] for row in rows]
+            except self._httpx.TimeoutException:
+                self._count("timeouts")
+                last = f"no answer within {self.timeout_s} s"
+            except self._httpx.HTTPStatusError as err:
+                last = f"HTTP {err.response.status_code}: {err.response.text[:160]}"
+                if err.response.status_code < 500:  # the request itself is wrong: another try cannot help
+                    break
+            except (self._httpx.HTTPError, ValueError, KeyError, TypeError) as err:
+                last = f"{err.__class__.__name__}: {str(err)[:160]}"
+        self._count("failures")
+        raise RetrieverUnavailable(f"retrieval server {self.url}: {last} (after {attempt + 1} tries)")
+
+    def close(self) -> None:
+        self._client.close()
