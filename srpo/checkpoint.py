@@ -111,19 +111,28 @@ def remove_stale_temporaries(run_dir: Path) -> list[Path]:
     return stale
 
 
-def save_checkpoint(run_dir: Path, step: int, policies, tensor_state: dict[str, Any], json_state: dict[str, Any],
-                    config: dict, keep: int = 2) -> Path:
-    """Write ``checkpoints/step_XXXXXXX`` atomically and point ``checkpoints/latest`` at it.
-
-    Raises :class:`CheckpointError` (the previous checkpoint intact) when it cannot be written,
-    e.g. on a full disk."""
+def new_temporary(run_dir: Path, step: int) -> Path:
+    """A fresh temporary checkpoint folder (stale ones removed first; call it holding the run lock)."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(run_dir)
-    final = root / f"step_{step:07d}"
     tmp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{step:07d}-", dir=root))
+    os.chmod(tmp, _default_mode())
+    return tmp
+
+
+def save_checkpoint(run_dir: Path, step: int, policies, tensor_state: dict[str, Any], json_state: dict[str, Any],
+                    config: dict, keep: int = 2, tmp: Path | None = None) -> Path:
+    """Write ``checkpoints/step_XXXXXXX`` atomically and point ``checkpoints/latest`` at it.
+
+    ``tmp``: a folder from :func:`new_temporary` that already holds part of the checkpoint (the
+    sharded state every FSDP rank wrote); by default a new one.  Raises :class:`CheckpointError`
+    (the previous checkpoint intact) when it cannot be written, e.g. on a full disk."""
+    root = Path(run_dir) / "checkpoints"
+    final = root / f"step_{step:07d}"
     try:
-        os.chmod(tmp, _default_mode())
+        if tmp is None:
+            tmp = new_temporary(run_dir, step)
         policies.save_pretrained(tmp / "model")
         torch.save(tensor_state, tmp / STATE_FILE)
         (tmp / STATE_JSON).write_text(json.dumps(json_state))
@@ -137,13 +146,14 @@ def save_checkpoint(run_dir: Path, step: int, policies, tensor_state: dict[str, 
             shutil.rmtree(final)
         os.replace(tmp, final)
     except BaseException as err:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         # Any failure of the write — OSError from Python, RuntimeError from torch's zip writer
         # ("enforce fail ... unexpected pos"), a bare Exception from the tokenizers' Rust code —
         # is reported the same way; Ctrl-C and other BaseExceptions pass through unchanged.
         if isinstance(err, Exception) and not isinstance(err, CheckpointError):
             previous = latest_pointer(run_dir)
-            free = shutil.disk_usage(root).free / 2**20
+            free = shutil.disk_usage(root if root.exists() else Path(run_dir)).free / 2**20
             reason = err.strerror if isinstance(err, OSError) and err.strerror else (str(err).splitlines() or [repr(err)])[0]
             raise CheckpointError(
                 f"could not write checkpoint {final} ({reason}; {free:.0f} MiB free on that disk). "
@@ -247,8 +257,10 @@ def load_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return tensors, plain
 
 
-def load_checkpoint(path: Path, policies, current_config: dict) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Verify, check compatibility, load weights into ``policies``; return ``(tensor_state, json_state)``.
+def load_checkpoint(path: Path, policies, current_config: dict, *, load_weights: bool = True
+                    ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Verify, check compatibility, load weights into ``policies`` (unless ``load_weights`` is
+    False: FSDP loads them from the sharded state); return ``(tensor_state, json_state)``.
 
     Raises :class:`CorruptCheckpoint` for a damaged or unsafe checkpoint and
     :class:`CheckpointError` for one that does not belong to this config."""
@@ -262,6 +274,8 @@ def load_checkpoint(path: Path, policies, current_config: dict) -> tuple[dict[st
         raise CorruptCheckpoint(f"{path}: unreadable {CONFIG_FILE} ({err})") from None
     check_compatible(saved, current_config)
     tensors, plain = load_state(path)
+    if not load_weights:
+        return tensors, plain
     try:
         policies.load_pretrained_weights(path / "model")
     except (OSError, RuntimeError, ValueError, KeyError) as err:

@@ -151,6 +151,11 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     warmup_steps: int = 0
     max_grad_norm: float = 1.0
+    parallel: str = "ddp"
+    """Under torchrun: ddp (every rank holds the whole model; gradients summed across ranks) or
+    fsdp (FSDP2: parameters, gradients and optimizer state sharded per decoder layer; layouts
+    shared and separate; checkpoints resume on any number of processes).  fsdp also runs in one
+    process."""
     old_logprobs: str = "recompute"
     """recompute (one no-grad forward before the update) or behaviour (use the sampler's)."""
     max_nonfinite_steps: int = 3
@@ -331,6 +336,12 @@ def validate(cfg: Config) -> Config:
     _choice("method.advantage_scale", cfg.method.advantage_scale, ADVANTAGE_SCALES)
     _choice("train.old_logprobs", cfg.train.old_logprobs, ("recompute", "behaviour"))
     _choice("train.optimizer", cfg.train.optimizer, ("adamw", "sgd"))
+    _choice("train.parallel", cfg.train.parallel, ("ddp", "fsdp"))
+    if cfg.train.parallel == "fsdp" and cfg.model.layout == "lora":
+        raise ConfigError("train.parallel: fsdp shards full models (model.layout shared or separate); a LoRA "
+                          "layout trains adapters of a few MB — use ddp")
+    if cfg.train.parallel == "fsdp" and cfg.method.kl_coef > 0:
+        raise ConfigError("method.kl_coef: a KL reference model is not yet supported with train.parallel: fsdp")
     _choice("run.device", cfg.run.device.split(":")[0], ("cpu", "cuda"))
     for path, value in [("run.steps", cfg.run.steps), ("train.tasks_per_step", cfg.train.tasks_per_step),
                         ("train.group_size", cfg.train.group_size), ("train.epochs", cfg.train.epochs),

@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from srpo.checkpoint import (CheckpointError, CorruptCheckpoint, candidates, load_checkpoint, remove_stale_temporaries, rng_state,
-                             save_checkpoint, set_rng_state)
+from srpo.checkpoint import (CheckpointError, CorruptCheckpoint, candidates, load_checkpoint, new_temporary,
+                             remove_stale_temporaries, rng_state, save_checkpoint, set_rng_state)
 from srpo.config import Config
 from srpo.data import build_retriever, epoch_order, load_tasks
 from srpo.events import Event, collate, global_normalizer, split_minibatches, validate_events
@@ -130,6 +130,10 @@ class Trainer:
     def __init__(self, cfg: Config, *, policies: PolicySet | None = None, dist: Distributed | None = None,
                  progress: bool = True, reward_fn=None, overwrite: bool = False):
         self.cfg = cfg
+        if cfg.train.parallel == "fsdp" and dist is None:
+            from srpo.policies.fsdp import ensure_process_group
+
+            ensure_process_group()  # one process without torchrun still shards (over one rank)
         self.dist = dist or Distributed()
         self.progress = progress and self.dist.rank == 0
         if cfg.run.threads:
@@ -148,6 +152,8 @@ class Trainer:
         self.policies = policies or build_policy_set(cfg, self.workflow.roles())
         if cfg.method.kl_coef > 0:
             self.policies.freeze_reference()
+        if cfg.train.parallel == "fsdp":
+            self.policies.shard_fsdp()  # before the optimizers: they hold the sharded parameters
         t = cfg.train
         self.optimizers = {pid: self._make_optimizer(self.policies.parameters(pid)) for pid in self.policies.policy_ids}
         warm = max(t.warmup_steps, 0)
@@ -242,7 +248,9 @@ class Trainer:
     def rollout(self, tasks) -> list[EpisodeResult]:
         g = self.cfg.train.group_size
         jobs = [(f"s{self.step}-r{self.dist.rank}-t{i}-g{j}", t) for i, t in enumerate(tasks) for j in range(g)]
-        with torch.no_grad(), self.autocast():
+        # FSDP: full parameters for the whole rollout, gathered once — every rank rolls out once a
+        # step, while the number of generation calls differs from rank to rank.
+        with torch.no_grad(), self.autocast(), self.policies.gathered():
             return self.runtime.run(self.workflow, jobs)
 
     # ------------------------------------------------------------------------------ update
@@ -252,7 +260,11 @@ class Trainer:
         lp = torch.zeros(M, T, device=batch.input_ids.device)
         ent = torch.zeros(M, T, device=batch.input_ids.device)
         with torch.set_grad_enabled(grad), self.autocast():
-            for pid in sorted(set(batch.policy_ids)):
+            present = set(batch.policy_ids)
+            if self.policies.fsdp:  # FSDP's collectives: every rank runs every policy's root
+                for pid in sorted(set(self.policies.policy_ids) - present):
+                    lp = lp + self.policies.idle_forward(pid)
+            for pid in sorted(present):
                 rows = batch.rows_of_policy(pid).to(lp.device)
                 out = self.policies.logprobs(
                     pid, batch.input_ids[rows], batch.attention_mask[rows], batch.prompt_length,
@@ -295,6 +307,7 @@ class Trainer:
         chunks, _ = split_minibatches(events, max(1, self.cfg.train.microbatches), "srpo")
         for part in chunks:
             if not part:
+                self._idle_pass(grad=False)
                 continue
             batch = collate(part, self.policies.tokenizer.pad_token_id).to(device)
             old = self._batch_logprobs(batch, grad=False).cpu()
@@ -338,6 +351,7 @@ class Trainer:
                     zero_skipped += len(part) - len(kept)
                     part = kept
                     if not part:
+                        self._idle_pass(grad=True)
                         continue
                     batch = collate(part, self.policies.tokenizer.pad_token_id).to(device)
                     want_entropy = epoch == 0
@@ -382,6 +396,16 @@ class Trainer:
                 out[f"role/{role}/ref_kl"] = s["kl_ref"] / n
         return out
 
+    def _idle_pass(self, *, grad: bool) -> None:
+        """FSDP only: join every policy's collectives with a zero-contribution pass when this rank
+        has nothing to forward (other ranks may have; a skipped collective would hang them)."""
+        if not self.policies.fsdp:
+            return
+        with torch.set_grad_enabled(grad), self.autocast():
+            idle = sum(self.policies.idle_forward(pid) for pid in self.policies.policy_ids)
+        if grad:
+            idle.backward()
+
     def _role_stats(self, batch, lp, ent, ref, stats):
         mask = batch.action_mask.to(lp.device)
         d = (lp - batch.old_logprobs.to(lp.device)) * mask
@@ -401,12 +425,15 @@ class Trainer:
             for p in self.policies.parameters(pid):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                self.dist.sum_(p.grad)
+                if not self.policies.fsdp:  # FSDP's backward already reduce-scattered (summed) them
+                    self.dist.sum_(p.grad)
         # Clip first: the total norm is non-finite exactly when some gradient is (or the norm
         # overflows float32, which counts as exploded too) — no separate pass over every gradient.
         # A skipped step throws the clipped gradients away.
         max_norm = self.cfg.train.max_grad_norm if self.cfg.train.max_grad_norm > 0 else float("inf")
-        norms = {pid: torch.nn.utils.clip_grad_norm_(self.policies.parameters(pid), max_norm)
+        from srpo.policies.fsdp import global_norm_value
+
+        norms = {pid: global_norm_value(torch.nn.utils.clip_grad_norm_(self.policies.parameters(pid), max_norm))
                  for pid in self.policies.policy_ids}
         finite = bool(torch.isfinite(loss)) and all(bool(torch.isfinite(n)) for n in norms.values())
         finite = self.dist.sum_int(int(not finite)) == 0
@@ -436,9 +463,14 @@ class Trainer:
         loss_events = assign_advantages(valid, self.cfg.method.name, scale=self.cfg.method.advantage_scale)
         t1 = time.perf_counter()
         old_gap = None
-        if self.cfg.train.old_logprobs == "recompute" and loss_events and not self.on_policy_single_step:
+        if self.cfg.train.old_logprobs == "recompute" and not self.on_policy_single_step:
             needed = self.events_to_forward(loss_events)
-            old_gap = self.recompute_old_logprobs(needed) if needed else None  # None: nothing measured
+            if self.policies.fsdp:  # the pass is collective: all ranks run it when any rank needs it
+                if self.dist.sum_int(len(needed)):
+                    gap = self.recompute_old_logprobs(needed)
+                    old_gap = gap if needed else None
+            elif needed:
+                old_gap = self.recompute_old_logprobs(needed)  # None when nothing was measured
         metrics = self.update(loss_events)
         t_update = time.perf_counter() - t1
         metrics.update(self._episode_metrics(episodes, valid, dropped))
@@ -501,10 +533,14 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ checkpoints
     def trainer_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """``(tensors, plain)``: tensors for ``torch.load(weights_only=True)``, the rest as JSON."""
+        """``(tensors, plain)``: tensors for ``torch.load(weights_only=True)``, the rest as JSON.
+
+        A collective under data parallelism (each rank's sampling generator is gathered); the
+        optimizer state is left out under FSDP, where it is sharded and saved by DCP."""
         rng_plain, rng_tensors = rng_state({"rollout": self.rollout_generator})
+        rng_plain["rollout_by_rank"] = self._gather_rollout_states()
         tensors = {
-            "optimizers": {pid: o.state_dict() for pid, o in self.optimizers.items()},
+            "optimizers": {} if self.policies.fsdp else {pid: o.state_dict() for pid, o in self.optimizers.items()},
             "schedulers": {pid: s.state_dict() for pid, s in self.schedulers.items()},
             "rng": rng_tensors,
         }
@@ -515,23 +551,64 @@ class Trainer:
             "rng": rng_plain,
             "totals": dict(self.totals),
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            "world_size": self.dist.world,
         }
         return tensors, plain
 
+    def _gather_rollout_states(self) -> list[list[int]]:
+        """Every rank's sampling-generator state (ranks sample with different seeds)."""
+        mine = self.rollout_generator.get_state().tolist()
+        if not self.dist.enabled:
+            return [mine]
+        states: list = [None] * self.dist.world
+        torch.distributed.all_gather_object(states, mine)
+        return states
+
     def weights_are_finite(self) -> bool:
-        return all(bool(torch.isfinite(p).all()) for pid in self.policies.policy_ids for p in self.policies.parameters(pid))
+        """All ranks agree (under FSDP each checks its own shards)."""
+        local = all(bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())
+                    for pid in self.policies.policy_ids for p in self.policies.parameters(pid))
+        return self.dist.sum_int(int(not local)) == 0
 
     def save(self) -> Path | None:
-        """Checkpoint the current step (rank 0 writes); never writes NaN/Inf weights."""
+        """Checkpoint the current step (rank 0 writes; under FSDP every rank writes its shards);
+        never writes NaN/Inf weights."""
         if not self.weights_are_finite():  # every rank checks, so every rank stops together
             raise TrainingStopped(
                 f"the weights hold NaN/Inf after step {self.step}; no checkpoint was written (the last one "
                 f"written is still in {self.run_dir / 'checkpoints'}). Lower train.lr or check the reward and inputs.")
+        tensors, plain = self.trainer_state()
+        if self.policies.fsdp:
+            return self._save_sharded(tensors, plain)
         if self.dist.rank != 0:
             return None
-        tensors, plain = self.trainer_state()
         return save_checkpoint(self.run_dir, self.step, self.policies, tensors, plain, self.cfg.to_dict(),
                                keep=self.cfg.checkpoint.keep)
+
+    def _save_sharded(self, tensors: dict[str, Any], plain: dict[str, Any]) -> Path | None:
+        """FSDP: every rank writes its shards of model and optimizer into one temporary folder
+        (DCP), the full weights are gathered to rank 0, and rank 0 completes the checkpoint."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        holder = [str(new_temporary(self.run_dir, self.step)) if self.dist.rank == 0 else None]
+        torch.distributed.broadcast_object_list(holder, src=0)
+        tmp = Path(holder[0])
+        state = {pid: dict(zip(("model", "optim"), get_state_dict(self.policies.fsdp_root(pid), self.optimizers[pid])))
+                 for pid in self.policies.policy_ids}
+        dcp.save(state, checkpoint_id=str(tmp / "dcp"))
+        self.policies.gather_full_weights()
+        written, error = None, None
+        if self.dist.rank == 0:
+            try:
+                written = save_checkpoint(self.run_dir, self.step, self.policies, tensors, plain, self.cfg.to_dict(),
+                                          keep=self.cfg.checkpoint.keep, tmp=tmp)
+            except Exception as err:  # told to every rank below, so none waits for a step that never comes
+                error = err
+        self.policies._full_weights = {}
+        if self.dist.sum_int(int(error is not None)):
+            raise error or CheckpointError("rank 0 could not write the checkpoint; see its message")
+        return written
 
     def resume(self, path: Path | None = None) -> bool:
         """Continue from ``path`` or the run's newest complete checkpoint; False when there is none.
@@ -543,7 +620,10 @@ class Trainer:
         problems = []
         for candidate in [Path(path)] if path is not None else candidates(self.run_dir):
             try:
-                tensors, plain = load_checkpoint(candidate, self.policies, self.cfg.to_dict())
+                tensors, plain = load_checkpoint(candidate, self.policies, self.cfg.to_dict(),
+                                                 load_weights=not self.policies.fsdp)
+                if self.policies.fsdp:
+                    self._load_sharded(candidate)
             except CorruptCheckpoint as err:
                 problems.append(str(err))
                 log.warning("skipping checkpoint %s: %s", candidate.name, err)
@@ -561,15 +641,40 @@ class Trainer:
         self._claimed = True
         return False
 
+    def _load_sharded(self, path: Path) -> None:
+        """FSDP: model and optimizer shards from the checkpoint's DCP state, resharded to this
+        run's number of processes."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        if not (path / "dcp").is_dir():
+            raise CorruptCheckpoint(f"{path}: no dcp/ folder (not written with train.parallel: fsdp)")
+        state = {pid: dict(zip(("model", "optim"), get_state_dict(self.policies.fsdp_root(pid), self.optimizers[pid])))
+                 for pid in self.policies.policy_ids}
+        dcp.load(state, checkpoint_id=str(path / "dcp"))
+        for pid in self.policies.policy_ids:
+            set_state_dict(self.policies.fsdp_root(pid), self.optimizers[pid],
+                           model_state_dict=state[pid]["model"], optim_state_dict=state[pid]["optim"])
+
     def _restore(self, tensors: dict[str, Any], plain: dict[str, Any]) -> None:
         self.step = plain["step"]
         self.data_epoch, self.data_pos, self.data_order = (plain["data"][k] for k in ("epoch", "pos", "order"))
-        for pid, o in self.optimizers.items():
-            o.load_state_dict(tensors["optimizers"][pid])
+        if not self.policies.fsdp:
+            for pid, o in self.optimizers.items():
+                o.load_state_dict(tensors["optimizers"][pid])
         for pid, s in self.schedulers.items():
             s.load_state_dict(tensors["schedulers"][pid])
         self.policies.versions.update(plain["versions"])
         set_rng_state(plain["rng"], tensors["rng"], {"rollout": self.rollout_generator})
+        by_rank = plain["rng"].get("rollout_by_rank") or []
+        if len(by_rank) == self.dist.world:
+            self.rollout_generator.set_state(torch.tensor(by_rank[self.dist.rank], dtype=torch.uint8))
+        else:  # another number of processes: each rank's sampling cannot continue its old stream
+            self.rollout_generator.manual_seed(self.cfg.run.seed * 1000 + self.dist.rank + 7919 * self.step)
+            if self.dist.rank == 0:
+                log.warning("resumed on %d process(es) from a checkpoint of %d: sampling continues from new "
+                            "per-rank seeds (the run is not bit-identical to an uninterrupted one)",
+                            self.dist.world, len(by_rank))
         self.totals = defaultdict(float, plain["totals"])
         self.nonfinite_in_a_row = plain["nonfinite_in_a_row"]
 

@@ -18,6 +18,7 @@ equal the behaviour log-probs while the weights have not moved; gradients flow i
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections import defaultdict
 from dataclasses import dataclass
@@ -90,10 +91,91 @@ class PolicySet:
     def modules(self) -> list[torch.nn.Module]:
         raise NotImplementedError
 
+    # -- FSDP (train.parallel: fsdp; full-model layouts) ------------------------------------------
+    _fsdp_roots: dict = {}
+    _gathered_depth = 0
+    _full_weights: dict = {}
+
+    @property
+    def fsdp(self) -> bool:
+        return bool(self._fsdp_roots)
+
+    def shard_fsdp(self) -> None:
+        """Shard every policy's model with FSDP2 (see :mod:`srpo.policies.fsdp`); before optimizers exist."""
+        if self.layout not in ("shared", "separate"):
+            raise ValueError(f"FSDP shards full models (layouts shared, separate), not the {self.layout} layout")
+        from srpo.policies import fsdp
+
+        self._fsdp_roots = {pid: fsdp.shard(self.model_for(pid)) for pid in self.policy_ids}
+        with torch.no_grad():  # FSDP sets itself up on the root's first forward, which must come first
+            for pid in self.policy_ids:
+                self.idle_forward(pid)
+
+    def fsdp_root(self, policy_id: str):
+        return self._fsdp_roots[policy_id]
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """Full parameters for sampling (a collective: every rank enters it the same number of
+        times — once per rollout); a no-op without FSDP, and when already inside."""
+        if not self.fsdp or self._gathered_depth:
+            yield
+            return
+        from srpo.policies import fsdp
+
+        self._gathered_depth += 1
+        try:
+            with fsdp.gathered(list(self._fsdp_roots.values())):
+                yield
+        finally:
+            self._gathered_depth -= 1
+
+    def _require_gathered(self) -> None:
+        if self.fsdp and not self._gathered_depth:
+            raise RuntimeError("FSDP-sharded policies sample only inside policies.gathered() (entered by every "
+                               "rank alike, e.g. once per rollout)")
+
+    def idle_forward(self, policy_id: str) -> torch.Tensor:
+        """A one-token pass through ``policy_id``'s FSDP root, for a rank with nothing of its own to
+        forward: FSDP's all-gathers and reduce-scatters are collectives that every rank must join.
+        Returns 0 with a graph, to be added to the loss."""
+        device = next(iter(self._fsdp_roots[policy_id].parameters())).device
+        ids = torch.full((1, 2), int(self.tokenizer.pad_token_id or 0), dtype=torch.long, device=device)
+        out = self._fsdp_roots[policy_id](ids, torch.ones_like(ids), 1, action_mask=torch.zeros(1, 1, device=device))
+        return out.sum() * 0.0
+
+    def gather_full_weights(self) -> None:
+        """Collect every policy's full weights on rank 0 for :meth:`save_pretrained` (a collective)."""
+        from srpo.policies import fsdp
+
+        self._full_weights = {pid: fsdp.full_state_dict(root) for pid, root in self._fsdp_roots.items()}
+
+    def _save_model(self, model, pid: str, folder: Path) -> None:
+        if self.fsdp:
+            model.save_pretrained(folder, state_dict=self._full_weights[pid])
+        else:
+            model.save_pretrained(folder)
+
+    def _load_model(self, model, pid: str, folder: Path) -> None:
+        if self.fsdp:
+            from safetensors.torch import load_file
+
+            from srpo.policies import fsdp
+
+            files = sorted(Path(folder).glob("*.safetensors"))
+            state = {k: v for f in files for k, v in load_file(str(f)).items()}
+            fsdp.set_full_state_dict(self._fsdp_roots[pid], state)
+        else:
+            _load_full_model(model, Path(folder))
+
     # -- shared behaviour -----------------------------------------------------------------------
     def logprobs(self, policy_id: str, input_ids, attention_mask, prompt_length, *, action_mask=None,
                  temperature=1.0, chunk_tokens: int = 1024, return_entropy: bool = False):
         """(m, T) teacher-forced log-probs of completion tokens under ``policy_id`` (with grad)."""
+        if self.fsdp:  # through the root unit, so FSDP gathers parameters and reduces gradients
+            return self._fsdp_roots[policy_id](input_ids, attention_mask, prompt_length, action_mask=action_mask,
+                                               temperature=temperature, chunk_tokens=chunk_tokens,
+                                               return_entropy=return_entropy)
         return completion_logprobs(
             self.model_for(policy_id), input_ids, attention_mask, prompt_length,
             action_mask=action_mask, temperature=temperature, chunk_tokens=chunk_tokens,
@@ -187,14 +269,15 @@ class SharedPolicies(PolicySet):
         return [self.model]
 
     def generate(self, requests, generator=None):
+        self._require_gathered()
         return _sample_grouped(self.model, self.tokenizer, requests, generator)
 
     def save_pretrained(self, folder):
-        self.model.save_pretrained(Path(folder) / "shared")
+        self._save_model(self.model, "shared", Path(folder) / "shared")
         self.tokenizer.save_pretrained(Path(folder) / "shared")
 
     def load_pretrained_weights(self, folder):
-        _load_full_model(self.model, Path(folder) / "shared")
+        self._load_model(self.model, "shared", Path(folder) / "shared")
 
 
 class LoraPolicies(PolicySet):
@@ -294,6 +377,7 @@ class SeparatePolicies(PolicySet):
         return list(self.models.values())
 
     def generate(self, requests, generator=None):
+        self._require_gathered()
         by_policy: dict[str, list[int]] = defaultdict(list)
         for i, r in enumerate(requests):
             by_policy[self.policy_of(r.role)].append(i)
@@ -306,12 +390,12 @@ class SeparatePolicies(PolicySet):
 
     def save_pretrained(self, folder):
         for pid, model in self.models.items():
-            model.save_pretrained(Path(folder) / pid)
+            self._save_model(model, pid, Path(folder) / pid)
             self.tokenizer.save_pretrained(Path(folder) / pid)
 
     def load_pretrained_weights(self, folder):
         for pid, model in self.models.items():
-            _load_full_model(model, Path(folder) / pid)
+            self._load_model(model, pid, Path(folder) / pid)
 
 
 def build_policies(
