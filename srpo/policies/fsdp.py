@@ -78,6 +78,7 @@ def shard(model: nn.Module) -> LogProbModule:
     for unit in root.modules():
         if isinstance(unit, FSDPModule):
             unit.set_gradient_divide_factor(1.0)  # sum over ranks: the loss is normalised globally
+            unit.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no PREMUL_SUM)
     return root
 
 

@@ -1,0 +1,92 @@
+"""Ranks of the FSDP tests (run by tests/test_fsdp.py, under torchrun or alone).
+
+    fsdp_worker.py update OUT RUN_DIR PARALLEL   one update on a fixed global batch (as dp_worker.py)
+    fsdp_worker.py resume OUT RUN_DIR            resume an FSDP run and dump the restored state
+
+Rank 0 writes the full (gathered) weights — and, for ``resume``, the full optimizer state and
+the resumed step — to OUT.
+"""
+
+import os
+import sys
+
+import torch
+
+from srpo.config import load_config
+from srpo.events import shard_events, validate_events
+from srpo.methods import assign_advantages
+from srpo.trainer import Distributed, Trainer
+
+
+CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "configs", "math", "parallel_aggregate", "srpo.yaml")  # what test_fsdp.py trains with
+
+
+def varied_reward(task, answer):
+    return float(sum(map(ord, answer or "")) % 5) / 4.0
+
+
+def start() -> None:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from accelerate import Accelerator
+
+        Accelerator(cpu=True)  # the gloo process group from torchrun's environment
+    torch.set_num_threads(1)
+
+
+def full_weights(trainer) -> dict:
+    if trainer.policies.fsdp:
+        trainer.policies.gather_full_weights()
+        return dict(trainer.policies._full_weights["shared"])
+    return {k: v.detach().clone() for k, v in trainer.policies.model_for("shared").state_dict().items()}
+
+
+def update(out_path: str, run_dir: str, parallel: str) -> None:
+    start()
+    cfg = load_config(None, [
+        f"run.output_dir={run_dir}", "model.name=tiny-llama", "workflow.name=parallel_aggregate",
+        "workflow.options={num_workers: 3}", "workflow.max_new_tokens=8", "train.tasks_per_step=3",
+        "train.group_size=3", "train.optimizer=sgd", "train.lr=0.5", "train.epochs=2", "train.microbatches=2",
+        "task.train.n=6", "log.tensorboard=false", f"train.parallel={parallel}"])
+    trainer = Trainer(cfg, progress=False, reward_fn=varied_reward)
+    dist = trainer.dist
+    trainer.rollout_generator.manual_seed(1234)  # the same global batch on every rank
+    episodes = trainer.rollout(trainer.train_tasks[:3])
+    events, _ = validate_events([e for ep in episodes for e in ep.events])
+    events = assign_advantages(events, cfg.method.name)
+    mine, _ = shard_events(events, dist.rank, dist.world, "srpo")
+    trainer.update(mine)
+    weights = full_weights(trainer)
+    if dist.rank == 0:
+        torch.save(weights, out_path)
+    trainer.close()
+    dist.close()
+
+
+def resume(out_path: str, run_dir: str) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    start()
+    trainer = Trainer(load_config(CONFIG, resume_overrides(run_dir)), progress=False, reward_fn=varied_reward)
+    assert trainer.resume()
+    weights = full_weights(trainer)
+    optim = get_optimizer_state_dict(trainer.policies.fsdp_root("shared"), trainer.optimizers["shared"],
+                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if trainer.dist.rank == 0:
+        torch.save({"step": trainer.step, "weights": weights, "optim": optim["state"]}, out_path)
+    trainer.close()
+    trainer.dist.close()
+
+
+def resume_overrides(run_dir: str, steps: int = 2) -> list[str]:
+    return [f"run.output_dir={run_dir}", f"run.steps={steps}", "model.name=tiny-llama", "model.autocast_bf16=false",
+            "workflow.name=parallel_aggregate", "workflow.options={num_workers: 2}", "workflow.max_new_tokens=6",
+            "train.tasks_per_step=2", "train.group_size=2", "train.lr=0.01", "task.train.n=8",
+            "checkpoint.every=1", "log.tensorboard=false", "train.parallel=fsdp", "train.skip_zero_advantage=false"]
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "update":
+        update(*sys.argv[2:5])
+    else:
+        resume(*sys.argv[2:4])

@@ -1,0 +1,113 @@
+"""FSDP2 (train.parallel: fsdp) on CPU: the same update as one process, checkpoints that reshard,
+a two-node launch on 127.0.0.1."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fsdp_worker import resume_overrides  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).with_name("fsdp_worker.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed")]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(n: int, *args, **kw):
+    return subprocess.run([str(TORCHRUN), "--nproc_per_node", str(n), "--master_port", str(free_port()), *args],
+                          env=ENV, capture_output=True, text=True, timeout=600, **kw)
+
+
+def check(done):
+    assert done.returncode == 0, (done.stdout[-1500:], done.stderr[-3000:])
+    return done
+
+
+def test_two_fsdp_processes_update_like_one_plain_process(tmp_path):
+    plain, one, two = tmp_path / "plain.pt", tmp_path / "fsdp1.pt", tmp_path / "fsdp2.pt"
+    check(subprocess.run([sys.executable, str(WORKER), "update", str(plain), str(tmp_path / "r0"), "ddp"], env=ENV,
+                         capture_output=True, text=True, timeout=600))
+    check(subprocess.run([sys.executable, str(WORKER), "update", str(one), str(tmp_path / "r1"), "fsdp"], env=ENV,
+                         capture_output=True, text=True, timeout=600))
+    check(torchrun(2, str(WORKER), "update", str(two), str(tmp_path / "r2"), "fsdp"))
+    a, b, c = torch.load(plain), torch.load(one), torch.load(two)
+    from srpo.policies import load_model
+
+    initial = load_model("tiny-llama")[0].state_dict()
+    assert any(not torch.equal(a[k], initial[k]) for k in a), "the update must change the parameters"
+    assert a.keys() == b.keys() == c.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k  # one FSDP process is the plain path, bit for bit
+        assert torch.allclose(a[k], c[k], atol=1e-6, rtol=1e-5), k  # two: sums in another order
+
+
+def srpo_train(run, steps, extra=()):
+    return ["-m", "srpo.cli", "train", "--config", str(ROOT / "configs/math/parallel_aggregate/srpo.yaml"),
+            *[x for o in resume_overrides(str(run), steps) for x in ("--set", o)], *extra]
+
+
+def test_a_checkpoint_of_two_processes_resumes_in_one_and_in_two(tmp_path):
+    run = tmp_path / "run"
+    check(torchrun(2, *srpo_train(run, 2)))
+    saved = run / "checkpoints" / "step_0000002"
+    assert (saved / "dcp").is_dir() and (saved / "model" / "shared" / "model.safetensors").is_file()
+    from safetensors.torch import load_file
+
+    hf = load_file(str(saved / "model" / "shared" / "model.safetensors"))
+    dumps = {}
+    for n in (1, 2):
+        copy = tmp_path / f"copy{n}"
+        shutil.copytree(run, copy)
+        (copy / ".lock").unlink()
+        out = tmp_path / f"resumed{n}.pt"
+        if n == 1:
+            check(subprocess.run([sys.executable, str(WORKER), "resume", str(out), str(copy)], env=ENV,
+                                 capture_output=True, text=True, timeout=600))
+        else:
+            check(torchrun(2, str(WORKER), "resume", str(out), str(copy)))
+        dumps[n] = torch.load(out)
+        assert dumps[n]["step"] == 2
+        for k, v in hf.items():  # the sharded state holds exactly the saved weights
+            assert torch.equal(dumps[n]["weights"][k], v), (n, k)
+    one, two = dumps[1]["optim"], dumps[2]["optim"]
+    assert one.keys() == two.keys() and one
+    for name in one:
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(one[name][key], two[name][key]), (name, key)
+    # And each continues to the next step.
+    for n, launch in ((1, lambda *a: subprocess.run([sys.executable, *a], env=ENV, capture_output=True, text=True,
+                                                    timeout=600)),
+                      (2, lambda *a: torchrun(2, *a))):
+        check(launch(*srpo_train(tmp_path / f"copy{n}", 3, ["--resume"])))
+        steps = [int(line.split(",")[0].split(":")[1]) for line in (tmp_path / f"copy{n}" / "metrics.jsonl").read_text().splitlines()]
+        assert steps == [1, 2, 3], (n, steps)
+
+
+def test_a_two_node_launch_on_loopback_trains_a_step(tmp_path):
+    port = free_port()
+    run = tmp_path / "run"
+    nodes = [subprocess.Popen([str(TORCHRUN), "--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d",
+                               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "srpo-test", *srpo_train(run, 1)],
+                              env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in nodes]
+    for p, (out, err) in zip(nodes, outs):
+        assert p.returncode == 0, err[-3000:]
+    assert (run / "checkpoints" / "step_0000001" / "dcp").is_dir()
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 1
