@@ -158,6 +158,11 @@ class TrainConfig:
     process."""
     old_logprobs: str = "recompute"
     """recompute (one no-grad forward before the update) or behaviour (use the sampler's)."""
+    tis_cap: float = 0.0
+    """Truncated importance sampling of the sampler/trainer mismatch: each update unit's loss is
+    weighted by min(π_old/π_behaviour, tis_cap), the ratio formed per unit like the policy ratio
+    (0: off; typical 2).  For an inference engine whose log-probs differ from the trainer's; needs
+    old_logprobs: recompute."""
     max_nonfinite_steps: int = 3
     """Stop (with a checkpoint) after this many consecutive steps with NaN/Inf loss or gradients."""
     chunk_tokens: int = 1024
@@ -337,6 +342,9 @@ def validate(cfg: Config) -> Config:
     _choice("train.old_logprobs", cfg.train.old_logprobs, ("recompute", "behaviour"))
     _choice("train.optimizer", cfg.train.optimizer, ("adamw", "sgd"))
     _choice("train.parallel", cfg.train.parallel, ("ddp", "fsdp"))
+    if cfg.train.tis_cap and (cfg.train.tis_cap < 1 or cfg.train.old_logprobs != "recompute"):
+        raise ConfigError(f"train.tis_cap: must be 0 (off) or ≥ 1 with train.old_logprobs: recompute, got "
+                          f"{cfg.train.tis_cap} with {cfg.train.old_logprobs}")
     if cfg.train.parallel == "fsdp" and cfg.model.layout == "lora":
         raise ConfigError("train.parallel: fsdp shards full models (model.layout shared or separate); a LoRA "
                           "layout trains adapters of a few MB — use ddp")

@@ -171,6 +171,7 @@ class Trainer:
         self.data_pos = 0
         self.data_order = self._shuffled_order(0)
         self.nonfinite_in_a_row = 0
+        self.mismatch = RolloutMismatch()
         self.totals = defaultdict(float)  # running counters (tokens, correct, skipped steps ...)
         self.logger = MetricsLogger(
             self.run_dir, cfg.log.active_backends(), enabled=self.dist.rank == 0,
@@ -313,6 +314,7 @@ class Trainer:
             old = self._batch_logprobs(batch, grad=False).cpu()
             gap = ((old - batch.behaviour_logprobs.cpu()) * batch.action_mask.cpu()).abs().max().item()
             worst = max(worst, gap)
+            self.mismatch.add(batch, old)
             row = 0
             for e in part:
                 for m in e.members:
@@ -365,12 +367,15 @@ class Trainer:
                     if self.on_policy_single_step:
                         gap = ((old - batch.behaviour_logprobs.to(lp.device)) * batch.action_mask.to(lp.device)).abs()
                         acc["old_vs_behaviour_max_abs"].append(float(gap.max()))
+                        self.mismatch.add(batch, old)
                     loss, metrics = policy_loss(
                         loss_name, logprobs=lp, old_logprobs=old, mask=batch.action_mask,
                         event_index=batch.event_index, advantages=batch.advantages.to(device),
                         clip_eps=cfg.method.clip_eps, clip_eps_high=cfg.method.clip_eps_high,
                         set_reduction=cfg.method.set_reduction, member_reduction=cfg.method.member_reduction,
-                        normalizer=normalizer, ref_logprobs=ref, kl_coef=cfg.method.kl_coef)
+                        normalizer=normalizer, ref_logprobs=ref, kl_coef=cfg.method.kl_coef,
+                        behaviour_logprobs=batch.behaviour_logprobs.to(lp.device) if t.tis_cap else None,
+                        tis_cap=t.tis_cap or None)
                     loss.backward()
                     total_loss += loss.detach().cpu()
                     for k, v in metrics.items():
@@ -463,6 +468,7 @@ class Trainer:
         loss_events = assign_advantages(valid, self.cfg.method.name, scale=self.cfg.method.advantage_scale)
         t1 = time.perf_counter()
         old_gap = None
+        self.mismatch = RolloutMismatch()
         if self.cfg.train.old_logprobs == "recompute" and not self.on_policy_single_step:
             needed = self.events_to_forward(loss_events)
             if self.policies.fsdp:  # the pass is collective: all ranks run it when any rank needs it
@@ -476,6 +482,7 @@ class Trainer:
         metrics.update(self._episode_metrics(episodes, valid, dropped))
         if old_gap is not None:
             metrics["old_vs_behaviour_max_abs"] = old_gap
+        metrics.update(self.mismatch.metrics())
         for key, count in getattr(self.retriever, "stats", {}).items():  # a retrieval server's client
             metrics[f"retriever/{key}"] = count  # since the run (this process) started
         metrics.update({"time/rollout_s": t_rollout, "time/update_s": t_update,
@@ -714,6 +721,43 @@ class Trainer:
                 bar.close()
             self.logger.close()
         return history
+
+
+class RolloutMismatch:
+    """How far the sampler's log-probs (behaviour) are from the trainer's for the same tokens.
+
+    Measured where the trainer computes q_old anyway (the recompute pass, or the update's forward
+    when strictly on-policy), per role and over all action tokens: mean |Δ log p| per token and
+    the fraction of tokens with |Δ| > 0.1.  With srpo's own sampler Δ is rounding (~1e-6); with
+    an inference engine (vLLM) it is what ``train.tis_cap`` corrects for."""
+
+    THRESHOLD = 0.1
+
+    def __init__(self):
+        self.sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])  # |Δ| sum, tokens, above
+
+    def add(self, batch, old: torch.Tensor) -> None:
+        mask = batch.action_mask.to(old.device) > 0
+        delta = (old - batch.behaviour_logprobs.to(old.device)).abs()
+        for i, role in enumerate(batch.roles):
+            d = delta[i][mask[i]]
+            s = self.sums[role]
+            s[0] += float(d.sum())
+            s[1] += d.numel()
+            s[2] += float((d > self.THRESHOLD).sum())
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        total = [0.0, 0.0, 0.0]
+        for role, (abs_sum, n, above) in self.sums.items():
+            if n:
+                out[f"role/{role}/mismatch_mean_abs"] = abs_sum / n
+                out[f"role/{role}/mismatch_frac_above_0.1"] = above / n
+            total = [a + b for a, b in zip(total, (abs_sum, n, above))]
+        if total[1]:
+            out["mismatch/mean_abs"] = total[0] / total[1]
+            out["mismatch/frac_above_0.1"] = total[2] / total[1]
+        return out
 
 
 def _reduce_metrics(acc: dict[str, list]) -> dict[str, float]:

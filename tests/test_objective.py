@@ -274,3 +274,83 @@ def test_group_advantages_match_a_loop():
 def test_group_advantages_bad_scale():
     with pytest.raises(ValueError, match="valid: std, none"):
         group_advantages(torch.zeros(2), torch.zeros(2), scale="minmax")
+
+
+# ------------------------------------------------------------- truncated importance sampling
+
+def _tis_batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    M, T, E = 7, 5, 3
+    event_index = torch.tensor([0, 0, 0, 1, 1, 2, 2])
+    mask = (torch.rand(M, T, generator=g) > 0.2).float()
+    mask[:, 0] = 1
+    old = -torch.rand(M, T, generator=g) * 2
+    cur = (old + 0.1 * torch.randn(M, T, generator=g)).requires_grad_(True)
+    beh = old + 0.4 * torch.randn(M, T, generator=g)
+    adv = torch.randn(E, generator=g)
+    return cur, old, beh, mask, event_index, adv
+
+
+@pytest.mark.parametrize("name", ["srpo", "grpo", "gspo"])
+def test_tis_with_behaviour_equal_to_old_changes_nothing(name):
+    cur, old, _, mask, idx, adv = _tis_batch()
+    plain, _ = policy_loss(name, logprobs=cur, old_logprobs=old, mask=mask, event_index=idx, advantages=adv)
+    tis, m = policy_loss(name, logprobs=cur, old_logprobs=old, mask=mask, event_index=idx, advantages=adv,
+                         behaviour_logprobs=old.clone(), tis_cap=2.0)
+    assert torch.allclose(plain, tis) and float(m["tis/weight_mean"]) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("reduction", ["sqrt", "sum", "mean"])
+def test_tis_weights_each_set_by_its_truncated_setwise_ratio(reduction):
+    """By hand: w_e = min(exp(c(K_e) Σ_j Σ_t (old − beh)), C), one weight per event, detached."""
+    cur, old, beh, mask, idx, adv = _tis_batch(1)
+    cap = 1.5
+    loss, m = policy_loss("srpo", logprobs=cur, old_logprobs=old, mask=mask, event_index=idx, advantages=adv,
+                          set_reduction=reduction, behaviour_logprobs=beh, tis_cap=cap)
+    total = 0.0
+    weights = []
+    for e in range(3):
+        rows = (idx == e).nonzero().flatten()
+        k = len(rows)
+        c = {"sqrt": k ** -0.5, "sum": 1.0, "mean": 1.0 / k}[reduction]
+        log_rho = c * sum(((cur[r] - old[r]) * mask[r]).sum() for r in rows)
+        log_w = c * sum(((old[r] - beh[r]) * mask[r]).sum() for r in rows)
+        w = min(math.exp(float(log_w)), cap)
+        weights.append(w)
+        rho = torch.exp(log_rho)
+        surrogate = torch.maximum(-adv[e] * rho, -adv[e] * rho.clamp(0.8, 1.2))
+        total = total + w * surrogate
+    expected = total / 3
+    assert torch.allclose(loss, expected, atol=1e-6)
+    assert float(m["tis/weight_mean"]) == pytest.approx(sum(weights) / 3, rel=1e-5)
+    assert float(m["tis/capped_frac"]) == pytest.approx(sum(w == cap for w in weights) / 3)
+    loss.backward()
+    g_tis = cur.grad.clone()
+    cur.grad = None
+    # The weight is a constant: the gradient is the weighted sum of the plain per-event gradients.
+    per_event = []
+    for e in range(3):
+        sel = torch.zeros(3)
+        sel[e] = 1.0
+        l, _ = policy_loss("srpo", logprobs=cur, old_logprobs=old, mask=mask, event_index=idx, advantages=adv * sel,
+                           set_reduction=reduction, normalizer=3)
+        per_event.append(torch.autograd.grad(l, cur)[0])
+    assert torch.allclose(g_tis, sum(w * g for w, g in zip(weights, per_event)), atol=1e-6)
+
+
+def test_tis_per_token_for_grpo():
+    cur, old, beh, mask, idx, adv = _tis_batch(2)
+    loss, _ = policy_loss("grpo", logprobs=cur, old_logprobs=old, mask=mask, event_index=idx, advantages=adv,
+                          behaviour_logprobs=beh, tis_cap=2.0)
+    w = torch.exp(old - beh).clamp(max=2.0)
+    ratio = torch.exp(cur - old)
+    a = adv[idx][:, None]
+    per_token = torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.2)) * w
+    assert torch.allclose(loss, (per_token * mask).sum() / mask.sum(), atol=1e-6)
+
+
+def test_tis_cap_below_one_is_refused():
+    cur, old, beh, mask, idx, adv = _tis_batch()
+    with pytest.raises(ValueError, match="tis_cap must be ≥ 1"):
+        policy_loss("srpo", logprobs=cur, old_logprobs=old, mask=mask, event_index=idx, advantages=adv,
+                    behaviour_logprobs=beh, tis_cap=0.5)

@@ -201,3 +201,24 @@ def test_zero_advantage_events_are_forwarded_under_a_kl_penalty(tmp_path):
     cfg = load_config(None, tiny_overrides(tmp_path / "nokl"))
     history = Trainer(cfg, progress=False, reward_fn=lambda task, answer: 0.0).fit(steps=1)
     assert history[0]["update/zero_advantage_skipped"] == 4  # 2 tasks × 2 episodes, one event each
+
+
+def test_mismatch_is_logged_per_role_and_tis_is_neutral_on_srpo_s_own_sampler(tmp_path):
+    """srpo's sampler and its trainer agree to rounding, so the truncated-IS weights are ~1."""
+    cfg = load_config(ROOT / "configs/math/parallel_aggregate/srpo.yaml", tiny_overrides(tmp_path, [
+        "workflow.options={num_workers: 2}", "train.minibatches=2", "train.tis_cap=2.0",
+        "train.skip_zero_advantage=false"]))
+    trainer = Trainer(cfg, progress=False, reward_fn=varied_reward)
+    history = trainer.fit()
+    trainer.close()
+    for h in history:
+        assert h["mismatch/mean_abs"] < 1e-4 and h["mismatch/frac_above_0.1"] == 0.0
+        assert {"role/aggregator/mismatch_mean_abs", "role/worker_1/mismatch_mean_abs"} <= set(h)
+        assert h["objective/tis/weight_mean"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_tis_needs_recomputed_old_logprobs():
+    with pytest.raises(ConfigError, match="train.tis_cap"):
+        load_config(None, ["train.tis_cap=2", "train.old_logprobs=behaviour"])
+    with pytest.raises(ConfigError, match="train.tis_cap"):
+        load_config(None, ["train.tis_cap=0.5"])

@@ -28,7 +28,8 @@ clipping and for a negative one caps an otherwise exploding step).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -84,6 +85,8 @@ class MemberBatch:
     set_log_ratio   (E,)   c(K_e) Σ_j ℓ_{e,j} (diagnostic for every loss, the ratio for srpo)
     member_log_ratio(M,)   ℓ_j with the chosen member reduction
     ref_kl          (M, T) or None: per-token k3 estimate of KL(q ‖ q_ref), 0 off the mask
+    behaviour_log_ratio (M, T) or None: masked log q_old − log q_behaviour (the rollout engine's),
+                    for truncated importance sampling; ``tis_cap`` its cap C
     """
 
     token_log_ratio: torch.Tensor
@@ -96,6 +99,10 @@ class MemberBatch:
     member_log_ratio: torch.Tensor
     ref_kl: torch.Tensor | None
     max_log_ratio: float
+    behaviour_log_ratio: torch.Tensor | None = None
+    tis_cap: float | None = None
+    _set_scale: torch.Tensor | None = field(default=None, repr=False)  # (E,) c(K)
+    _member_mean: bool = False  # member_reduction == "mean"
 
     @property
     def present(self) -> torch.Tensor:
@@ -154,7 +161,8 @@ def _prepare(
     summed = torch.zeros(num_events, dtype=logprobs.dtype, device=logprobs.device).index_add(
         0, event_index, member_log_ratio
     )  # (E,)
-    set_lr = set_size_scale(set_sizes, set_reduction, logprobs.dtype) * summed
+    scale = set_size_scale(set_sizes, set_reduction, logprobs.dtype)
+    set_lr = scale * summed
 
     ref_kl = None
     if ref_logprobs is not None:
@@ -167,7 +175,36 @@ def _prepare(
         token_log_ratio=token_log_ratio, mask=mask, tokens=tokens, event_index=event_index,
         advantages=advantages.to(logprobs.dtype), set_sizes=set_sizes, set_log_ratio=set_lr,
         member_log_ratio=member_log_ratio, ref_kl=ref_kl, max_log_ratio=max_log_ratio,
+        _set_scale=scale, _member_mean=member_reduction == "mean",
     )
+
+
+def _tis_weight(b: MemberBatch, unit: str, metrics: dict) -> torch.Tensor | None:
+    """Truncated importance-sampling weight of each update unit, or None when TIS is off.
+
+    The rollout engine's sampler (π_beh) is not exactly the trainer's π_old (kernels, precision),
+    so the samples are off-policy by π_old/π_beh.  As for the policy ratio, that ratio is formed
+    per update unit — the event's set (c(K) Σ_j ℓ_j of old − behaviour, the same reduction), the
+    token (grpo) or the member's length-normalised ratio (gspo) — then truncated at C and
+    detached: w = min(π_old/π_beh, C) multiplies the unit's loss (Yao et al. 2025, "Your efficient
+    RL framework secretly brings you off-policy RL training"; verl's ``tis_imp_ratio_cap``).
+    """
+    if b.behaviour_log_ratio is None or not b.tis_cap:
+        return None
+    d = b.behaviour_log_ratio.detach()
+    if unit == "token":
+        log_w, sel = d, b.mask
+    elif unit == "member":
+        log_w, sel = d.sum(1) / b.tokens.clamp(min=1), torch.ones_like(b.tokens, dtype=torch.bool)
+    else:
+        member = d.sum(1) / b.tokens.clamp(min=1) if b._member_mean else d.sum(1)
+        summed = torch.zeros(b.set_sizes.shape[0], dtype=d.dtype, device=d.device).index_add(0, b.event_index, member)
+        log_w, sel = b._set_scale * summed, b.present
+    w = torch.exp(log_w.clamp(max=math.log(b.tis_cap)))
+    capped = (log_w > math.log(b.tis_cap))[sel]
+    metrics["tis/weight_mean"] = w[sel].mean() if sel.any() else torch.zeros(())
+    metrics["tis/capped_frac"] = capped.float().mean() if capped.numel() else torch.zeros(())
+    return w
 
 
 def _clipped_surrogate(log_ratio, adv, clip_low, clip_high, max_log_ratio):
@@ -259,8 +296,11 @@ def _srpo_loss(b: MemberBatch, *, clip_low, clip_high, normalizer, kl_coef):
         b.set_log_ratio, b.advantages, clip_low, clip_high, b.max_log_ratio
     )  # (E,)
     denom = _as_normalizer(normalizer, present.sum(), loss_e)
-    pg_loss = torch.where(present, loss_e, torch.zeros_like(loss_e)).sum() / denom
     metrics = {**_common_metrics(b), **_clip_metrics(lo[present], hi[present], guard[present], b.set_sizes[present])}
+    w = _tis_weight(b, "event", metrics)
+    if w is not None:
+        loss_e = loss_e * w
+    pg_loss = torch.where(present, loss_e, torch.zeros_like(loss_e)).sum() / denom
 
     def kl_sum():  # per event: the mean over its members of their token-mean KL
         member_kl = b.ref_kl.sum(1) / b.tokens.clamp(min=1)
@@ -276,9 +316,12 @@ def _grpo_loss(b: MemberBatch, *, clip_low, clip_high, normalizer, kl_coef):
     loss_t, _, lo, hi, guard = _clipped_surrogate(b.token_log_ratio, adv, clip_low, clip_high, b.max_log_ratio)
     denom = _as_normalizer(normalizer, b.mask.sum(), loss_t)
     zero = torch.zeros_like(loss_t)
-    pg_loss = torch.where(b.mask, loss_t, zero).sum() / denom
     token_k = b.set_sizes[b.event_index].unsqueeze(1).expand_as(b.mask)
     metrics = {**_common_metrics(b), **_clip_metrics(lo[b.mask], hi[b.mask], guard[b.mask], token_k[b.mask])}
+    w = _tis_weight(b, "token", metrics)
+    if w is not None:
+        loss_t = loss_t * w
+    pg_loss = torch.where(b.mask, loss_t, zero).sum() / denom
     return _add_kl(b, pg_loss, metrics, lambda: b.ref_kl.sum(), denom, kl_coef)  # per token
 
 
@@ -289,8 +332,11 @@ def _gspo_loss(b: MemberBatch, *, clip_low, clip_high, normalizer, kl_coef):
     adv = b.advantages[b.event_index]
     loss_m, _, lo, hi, guard = _clipped_surrogate(seq_log_ratio, adv, clip_low, clip_high, b.max_log_ratio)
     denom = _as_normalizer(normalizer, torch.tensor(loss_m.numel(), device=loss_m.device), loss_m)
-    pg_loss = loss_m.sum() / denom
     metrics = {**_common_metrics(b), **_clip_metrics(lo, hi, guard, b.set_sizes[b.event_index])}
+    w = _tis_weight(b, "member", metrics)
+    if w is not None:
+        loss_m = loss_m * w
+    pg_loss = loss_m.sum() / denom
     return _add_kl(b, pg_loss, metrics, lambda: (b.ref_kl.sum(1) / b.tokens.clamp(min=1)).sum(), denom, kl_coef)
 
 
@@ -310,6 +356,8 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     max_log_ratio: float = 20.0,
+    behaviour_logprobs: torch.Tensor | None = None,
+    tis_cap: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Compute a registered policy loss and its diagnostics.
 
@@ -330,6 +378,10 @@ def policy_loss(
         ref_logprobs: (M, T) log-probs of a frozen reference, for a KL penalty (k3 estimator).
         kl_coef: weight of that penalty.
         max_log_ratio: overflow guard on every log-ratio before ``exp``.
+        behaviour_logprobs: (M, T) log-probs the rollout engine reported for the samples; with
+            ``tis_cap`` (C > 0), each unit's loss is weighted by min(π_old/π_beh, C), the ratio
+            formed per update unit like the policy ratio (truncated importance sampling).
+        tis_cap: C; ``None``/0 turns the correction off.
 
     Returns:
         ``(loss, metrics)``: a scalar to minimise, and a dict of detached tensors (set log-ratio
@@ -343,5 +395,14 @@ def policy_loss(
         logprobs, old_logprobs, mask, event_index, advantages, set_reduction, member_reduction,
         ref_logprobs, max_log_ratio,
     )
+    if tis_cap:
+        if behaviour_logprobs is None or behaviour_logprobs.shape != logprobs.shape:
+            raise ValueError("tis_cap needs behaviour_logprobs of the (M, T) shape of logprobs")
+        if tis_cap < 1:
+            raise ValueError(f"tis_cap must be ≥ 1 (a cap below 1 shrinks on-policy samples); got {tis_cap}")
+        batch.behaviour_log_ratio = torch.where(
+            batch.mask, old_logprobs.to(logprobs.dtype) - behaviour_logprobs.to(logprobs.dtype),
+            torch.zeros_like(logprobs))
+        batch.tis_cap = float(tis_cap)
     clip_high = clip_eps if clip_eps_high is None else clip_eps_high
     return LOSSES[name](batch, clip_low=clip_eps, clip_high=clip_high, normalizer=normalizer, kl_coef=kl_coef)
