@@ -6,7 +6,8 @@ backward, and an AdamW step.  FLOPs counted as 6 × parameters × tokens for the
 forward and backward (plus 2 × more for the checkpointed vocabulary chunk recompute); the
 machine's matmul peak is measured in the same run on 2048² matrices, in float32 and bfloat16.
 Memory: peak resident set size of the update (fresh subprocess) against the floor
-weights + gradients + AdamW state + one chunk of logits.
+weights + gradients + AdamW state + one chunk of logits.  Modes ``+ckpt`` checkpoint every decoder
+layer (``train.activation_checkpointing``): activations recomputed in the backward.
 
     python benchmarks/bench_update.py --threads 2
 """
@@ -60,7 +61,8 @@ def child(mode: str, threads: int) -> dict:
         before = rss_mb()
         t = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode.startswith("bf16")):
-            lp = completion_logprobs(model, ids, attn, 64, chunk_tokens=chunk_tokens, share_prompts=False)
+            lp = completion_logprobs(model, ids, attn, 64, chunk_tokens=chunk_tokens, share_prompts=False,
+                                     checkpoint_layers=mode.endswith("+ckpt"))
         lp.mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
@@ -78,6 +80,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--child", default="")
+    ap.add_argument("--modes", default="fp32,bf16,bf16+ckpt", help="+ckpt: activation checkpointing of every layer")
     args = ap.parse_args()
     if args.child:
         print("RESULT " + json.dumps(child(args.child, args.threads)))
@@ -89,7 +92,7 @@ def main() -> None:
           f"bfloat16 {peaks['bfloat16'] / 1e9:.0f} GFLOP/s\n")
     print("| update on (16, 256) | seconds | achieved GFLOP/s | fraction of peak | peak RSS | floor | peak / floor |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for mode in ("fp32", "bf16"):
+    for mode in args.modes.split(","):
         out = subprocess.run([sys.executable, __file__, "--child", mode, "--threads", str(args.threads)],
                              capture_output=True, text=True)
         line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]

@@ -165,6 +165,10 @@ class TrainConfig:
     old_logprobs: recompute."""
     max_nonfinite_steps: int = 3
     """Stop (with a checkpoint) after this many consecutive steps with NaN/Inf loss or gradients."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward instead of keeping them (the
+    update's memory drops to near the weights + optimizer state; see benchmarks/README.md for the
+    time it costs).  Works with the shared-prompt KV reuse and with FSDP."""
     chunk_tokens: int = 1024
     """Positions per vocabulary-projection chunk in the log-prob pass."""
     rollout_batch: int = 256

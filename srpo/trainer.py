@@ -270,7 +270,8 @@ class Trainer:
                 out = self.policies.logprobs(
                     pid, batch.input_ids[rows], batch.attention_mask[rows], batch.prompt_length,
                     action_mask=batch.action_mask[rows], temperature=batch.temperatures[rows],
-                    chunk_tokens=self.cfg.train.chunk_tokens, return_entropy=entropy)
+                    chunk_tokens=self.cfg.train.chunk_tokens, return_entropy=entropy,
+                    checkpoint_layers=grad and self.cfg.train.activation_checkpointing)
                 if entropy:
                     out, e = out
                     ent = ent.index_put((rows,), e)

@@ -565,3 +565,31 @@ def test_cpu_float32_attention_equals_eager_attention_with_padding(model_name):
     finally:
         sdpa_attention.sdpa_attention_forward = original
     assert seen and all(s == (torch.float32, torch.float32, torch.float32, False) for s in seen)
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_activation_checkpointing_gives_the_same_logprobs_and_gradients(share):
+    """Checkpointed layers recompute their activations in the backward — also when completions
+    continue from a shared prompt's KV cache, whose appends must not happen twice."""
+    from srpo.policies import load_model
+    from srpo.policies.logprobs import completion_logprobs
+
+    torch.manual_seed(0)
+    model, _ = load_model("tiny-llama")
+    M, P, T = 6, 5, 7
+    ids = torch.randint(3, 200, (M, P + T))
+    ids[1, :P] = ids[0, :P]
+    ids[3, :P] = ids[2, :P]
+    attn = torch.ones_like(ids)
+    attn[4, :2] = 0
+    attn[5, P + 4:] = 0
+    results = []
+    for checkpointed in (False, True):
+        model.zero_grad()
+        lp = completion_logprobs(model, ids, attn, P, share_prompts=share, checkpoint_layers=checkpointed)
+        (lp * torch.linspace(-1, 1, T)).sum().backward()
+        results.append((lp.detach(), [p.grad.clone() for p in model.parameters()]))
+    (a, grads_a), (b, grads_b) = results
+    assert torch.equal(a, b)
+    assert all(torch.equal(x, y) for x, y in zip(grads_a, grads_b))
+    assert "forward" not in model.model.layers[0].__dict__  # the layers are restored afterwards

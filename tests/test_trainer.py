@@ -222,3 +222,23 @@ def test_tis_needs_recomputed_old_logprobs():
         load_config(None, ["train.tis_cap=2", "train.old_logprobs=behaviour"])
     with pytest.raises(ConfigError, match="train.tis_cap"):
         load_config(None, ["train.tis_cap=0.5"])
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_activation_checkpointing_trains_to_the_same_weights(tmp_path, parallel):
+    runs = {}
+    for ckpt in (False, True):
+        cfg = load_config(ROOT / "configs/math/parallel_aggregate/srpo.yaml", tiny_overrides(tmp_path / f"{ckpt}", [
+            "workflow.options={num_workers: 2}", "train.minibatches=2", f"train.parallel={parallel}",
+            f"train.activation_checkpointing={str(ckpt).lower()}", "train.skip_zero_advantage=false"]))
+        trainer = Trainer(cfg, progress=False, reward_fn=varied_reward)
+        history = trainer.fit()
+        if trainer.policies.fsdp:
+            trainer.policies.gather_full_weights()
+            runs[ckpt] = (history, trainer.policies._full_weights["shared"])
+        else:
+            runs[ckpt] = (history, {k: v.detach().clone() for k, v in trainer.policies.model_for("shared").state_dict().items()})
+        trainer.close()
+    (h0, w0), (h1, w1) = runs[False], runs[True]
+    assert [h["loss"] for h in h0] == [h["loss"] for h in h1]
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)

@@ -36,9 +36,10 @@ class LogProbModule(nn.Module):
         self.model = model
 
     def forward(self, input_ids, attention_mask, prompt_length, action_mask=None, temperature=1.0,
-                chunk_tokens: int = 1024, return_entropy: bool = False):
+                chunk_tokens: int = 1024, return_entropy: bool = False, checkpoint_layers: bool = False):
         return completion_logprobs(self.model, input_ids, attention_mask, prompt_length, action_mask=action_mask,
-                                   temperature=temperature, chunk_tokens=chunk_tokens, return_entropy=return_entropy)
+                                   temperature=temperature, chunk_tokens=chunk_tokens, return_entropy=return_entropy,
+                                   checkpoint_layers=checkpoint_layers)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

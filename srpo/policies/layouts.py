@@ -170,16 +170,17 @@ class PolicySet:
 
     # -- shared behaviour -----------------------------------------------------------------------
     def logprobs(self, policy_id: str, input_ids, attention_mask, prompt_length, *, action_mask=None,
-                 temperature=1.0, chunk_tokens: int = 1024, return_entropy: bool = False):
+                 temperature=1.0, chunk_tokens: int = 1024, return_entropy: bool = False,
+                 checkpoint_layers: bool = False):
         """(m, T) teacher-forced log-probs of completion tokens under ``policy_id`` (with grad)."""
         if self.fsdp:  # through the root unit, so FSDP gathers parameters and reduces gradients
             return self._fsdp_roots[policy_id](input_ids, attention_mask, prompt_length, action_mask=action_mask,
                                                temperature=temperature, chunk_tokens=chunk_tokens,
-                                               return_entropy=return_entropy)
+                                               return_entropy=return_entropy, checkpoint_layers=checkpoint_layers)
         return completion_logprobs(
             self.model_for(policy_id), input_ids, attention_mask, prompt_length,
             action_mask=action_mask, temperature=temperature, chunk_tokens=chunk_tokens,
-            return_entropy=return_entropy,
+            return_entropy=return_entropy, checkpoint_layers=checkpoint_layers,
         )
 
     def reference_logprobs(self, policy_id: str, input_ids, attention_mask, prompt_length, *, action_mask=None,

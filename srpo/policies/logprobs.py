@@ -236,6 +236,7 @@ def completion_logprobs(
     keep_probs_bytes: int = 256 * 2**20,
     return_entropy: bool = False,
     share_prompts: bool = True,
+    checkpoint_layers: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the completion tokens under ``model`` (with gradient when enabled).
 
@@ -256,6 +257,8 @@ def completion_logprobs(
         share_prompts: run each distinct prompt through the model once and continue every
             completion from its prompt's KV cache (the G samples of a task, and the members of
             one event, usually share a prompt).  Same values and gradients as the plain pass.
+        checkpoint_layers: activation checkpointing of every decoder layer (recomputed in the
+            backward; see :mod:`srpo.policies.checkpointing`).  Same values and gradients.
 
     Returns:
         (M, T) float32 log-probs, 0 off the mask (and the entropies when asked).
@@ -266,7 +269,10 @@ def completion_logprobs(
         action_mask = attention_mask[:, P:]
     select = action_mask.bool()  # (M, T)
     head = model.get_output_embeddings()
-    states = _prediction_states(model, input_ids, attention_mask, P, share_prompts)  # (M, T, H)
+    from srpo.policies.checkpointing import activation_checkpointing
+
+    with activation_checkpointing(model, checkpoint_layers and torch.is_grad_enabled()):
+        states = _prediction_states(model, input_ids, attention_mask, P, share_prompts)  # (M, T, H)
     h = states[select]  # (N, H)
     targets = input_ids[:, P:][select]  # (N,)
     softcap = _softcap(model)

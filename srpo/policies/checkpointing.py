@@ -1,0 +1,99 @@
+"""Activation checkpointing of the decoder layers in the update's log-prob pass.
+
+Each decoder layer's forward runs under ``torch.utils.checkpoint`` (non-reentrant): only its
+inputs are kept, and its activations are recomputed, one layer at a time, in the backward.
+
+The clash it solves: the update runs each distinct prompt once and continues every completion
+from that prompt's KV cache.  A layer *appends* its keys and values to the cache object during
+its forward; a recomputation would append them a second time and attend over a doubled prefix.
+Here the layer's cached prefix is handed to the checkpointed function as plain tensors, and each
+run — the forward and the recomputation — builds its own one-layer cache from them, so both see
+exactly the same prefix; the real cache then receives the appended keys and values once.
+HF's own ``gradient_checkpointing_enable`` instead turns the cache off in training, and only acts
+in train mode (srpo keeps models in eval mode: no dropout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from functools import partial
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+CACHE_NAMES = ("cache", "past_key_values", "past_key_value")
+
+
+def _cache_arg(layer) -> str | None:
+    params = inspect.signature(layer.forward).parameters
+    return next((n for n in CACHE_NAMES if n in params), None)
+
+
+def _layer_index(layer, fallback: int) -> int:
+    attn = getattr(layer, "self_attn", None)
+    return getattr(attn, "layer_idx", fallback)
+
+
+def _one_layer_cache(model, index: int, keys, values):
+    """A cache whose layer ``index`` holds ``keys``/``values`` (or nothing yet)."""
+    from transformers import DynamicCache
+
+    try:
+        cache = DynamicCache(config=model.config)
+    except TypeError:  # older transformers
+        cache = DynamicCache()
+    if keys is not None:
+        cache.update(keys, values, index)
+    return cache
+
+
+def _checkpointed_forward(model, layer, index: int, cache_name: str | None, original, hidden_states, *args, **kwargs):
+    cache = kwargs.get(cache_name) if cache_name else None
+    if cache is None or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
+            return original(hidden_states, *args, **kwargs)
+        return checkpoint(original, hidden_states, *args, use_reentrant=False, **kwargs)
+    slot = cache.layers[index]
+    prefix_k = slot.keys if getattr(slot, "is_initialized", slot.keys is not None) else None
+    prefix_v = slot.values if prefix_k is not None else None
+    rest = {k: v for k, v in kwargs.items() if k != cache_name}
+
+    def run(h, k0, v0):
+        own = _one_layer_cache(model, index, k0, v0)
+        out = original(h, *args, **{cache_name: own}, **rest)
+        return out, own.layers[index].keys, own.layers[index].values
+
+    out, keys, values = checkpoint(run, hidden_states, prefix_k, prefix_v, use_reentrant=False)
+    # The real cache gets this layer's appended keys and values once (later layers read nothing
+    # from it, but the cache's length bookkeeping stays true).
+    if prefix_k is None:
+        cache.update(keys, values, index)
+    else:
+        slot.keys, slot.values = keys, values
+    return out
+
+
+@contextlib.contextmanager
+def activation_checkpointing(model, enabled: bool = True):
+    """Checkpoint every decoder layer of ``model`` for the duration (a no-op when not ``enabled``)."""
+    if not enabled:
+        yield
+        return
+    from srpo.policies.fsdp import decoder_layers
+
+    layers = decoder_layers(model)
+    saved = []
+    for i, layer in enumerate(layers):
+        original = layer.forward
+        cache_name = _cache_arg(layer)
+        saved.append((layer, "forward" in layer.__dict__, layer.__dict__.get("forward")))
+        layer.forward = partial(_checkpointed_forward, model, layer, _layer_index(layer, i), cache_name, original)
+    try:
+        yield
+    finally:
+        for layer, had, value in saved:
+            if had:
+                layer.forward = value
+            else:
+                del layer.forward
