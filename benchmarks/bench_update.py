@@ -2,7 +2,7 @@
 
 One update = log-probs with gradient (chunked vocabulary projection) on a (16, 256) batch of
 SmolLM2-135M (64 prompt + 192 completion tokens per row, distinct prompts), a scalar loss,
-backward, and an AdamW step.  FLOPs counted as 6 × parameters × tokens for the matmuls of the
+backward, and a fused AdamW step (what srpo's trainer runs).  FLOPs counted as 6 × parameters × tokens for the matmuls of the
 forward and backward (plus 2 × more for the checkpointed vocabulary chunk recompute); the
 machine's matmul peak is measured in the same run on 2048² matrices, in float32 and bfloat16.
 Memory: peak resident set size of the update (fresh subprocess) against the floor
@@ -49,7 +49,7 @@ def child(mode: str, threads: int) -> dict:
 
     model, _ = load_model("smollm2-135m")
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-6)
+    opt = torch.optim.AdamW(params, lr=1e-6, fused=True)  # as srpo's trainer builds it (no foreach temporaries)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(100, 40000, (16, 256), generator=g)
     attn = torch.ones_like(ids)
@@ -81,6 +81,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--child", default="")
     ap.add_argument("--modes", default="fp32,bf16,bf16+ckpt", help="+ckpt: activation checkpointing of every layer")
+    ap.add_argument("--mmap-threshold", type=int, default=0,
+                    help="run the updates with glibc's MALLOC_MMAP_THRESHOLD_ fixed at this many bytes: large "
+                         "blocks go back to the OS when freed, so peak RSS tracks live memory (default glibc "
+                         "raises the threshold as blocks are freed and keeps them in its heap)")
     args = ap.parse_args()
     if args.child:
         print("RESULT " + json.dumps(child(args.child, args.threads)))
@@ -90,11 +94,14 @@ def main() -> None:
     peaks = {"float32": matmul_peak(torch.float32, args.threads), "bfloat16": matmul_peak(torch.bfloat16, args.threads)}
     print(f"torch threads {args.threads}; matmul peak (2048²): float32 {peaks['float32'] / 1e9:.0f} GFLOP/s, "
           f"bfloat16 {peaks['bfloat16'] / 1e9:.0f} GFLOP/s\n")
+    if args.mmap_threshold:
+        print(f"allocator: MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}\n")
     print("| update on (16, 256) | seconds | achieved GFLOP/s | fraction of peak | peak RSS | floor | peak / floor |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for mode in args.modes.split(","):
+        env = dict(os.environ, **({"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold else {}))
         out = subprocess.run([sys.executable, __file__, "--child", mode, "--threads", str(args.threads)],
-                             capture_output=True, text=True)
+                             capture_output=True, text=True, env=env)
         line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
         if not line:
             raise SystemExit(out.stderr[-3000:])
