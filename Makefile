@@ -6,7 +6,7 @@ STAMP       := $(VENV)/.installed
 TORCH       := torch==2.13.0
 CONSTRAINTS := constraints.txt
 
-.PHONY: test demo setup clean lock wheel-check test-vllm
+.PHONY: test demo setup clean lock wheel-check test-vllm gpu-check
 
 setup: $(STAMP)
 
@@ -64,6 +64,10 @@ $(VLLM_STAMP): pyproject.toml
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py
+
+# On a CUDA machine with vllm installed (pip install -e '.[vllm]'): the whole scale path in < 10 min.
+gpu-check:
+	python scripts/gpu_check.py
 
 # The wheel installs and runs outside the checkout, in a clean virtualenv (CI runs this too).
 wheel-check: $(STAMP)

@@ -64,8 +64,20 @@ class Distributed:
 
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.enabled:
-            torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
+            comm = self._comm_device()
+            if tensor.device.type != comm.type:  # NCCL reduces CUDA tensors only (counters live on the CPU)
+                moved = tensor.to(comm)
+                torch.distributed.all_reduce(moved, op=torch.distributed.ReduceOp.SUM)
+                tensor.copy_(moved)
+            else:
+                torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
         return tensor
+
+    def _comm_device(self) -> torch.device:
+        backend = str(torch.distributed.get_backend())
+        if backend == "nccl" and torch.cuda.is_available():  # a mixed "cpu:gloo,cuda:nccl" takes either
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def sum_int(self, value: int) -> int:
         return int(self.sum_(torch.tensor([value], dtype=torch.long)).item()) if self.enabled else value
