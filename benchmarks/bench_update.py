@@ -7,7 +7,9 @@ forward and backward (plus 2 × more for the checkpointed vocabulary chunk recom
 machine's matmul peak is measured in the same run on 2048² matrices, in float32 and bfloat16.
 Memory: peak resident set size of the update (fresh subprocess) against the floor
 weights + gradients + AdamW state + one chunk of logits.  Modes ``+ckpt`` checkpoint every decoder
-layer (``train.activation_checkpointing``): activations recomputed in the backward.
+layer (``train.activation_checkpointing``): activations recomputed in the backward, and — as the
+trainer does then on a CPU — glibc's mmap threshold fixed at 1 MiB so freed activations go back
+to the OS.
 
     python benchmarks/bench_update.py --threads 2
 """
@@ -47,6 +49,10 @@ def child(mode: str, threads: int) -> dict:
     from srpo.policies import load_model
     from srpo.policies.logprobs import completion_logprobs
 
+    if mode.endswith("+ckpt"):  # as the trainer does with train.activation_checkpointing on a CPU
+        from srpo.policies.checkpointing import return_freed_blocks_to_the_os
+
+        return_freed_blocks_to_the_os()
     model, _ = load_model("smollm2-135m")
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-6, fused=True)  # as srpo's trainer builds it (no foreach temporaries)

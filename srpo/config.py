@@ -168,7 +168,8 @@ class TrainConfig:
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward instead of keeping them (the
     update's memory drops to near the weights + optimizer state; see benchmarks/README.md for the
-    time it costs).  Works with the shared-prompt KV reuse and with FSDP."""
+    time it costs).  Works with the shared-prompt KV reuse and with FSDP.  On a CPU it also fixes
+    glibc's mmap threshold at 1 MiB so that freed activations return to the OS."""
     chunk_tokens: int = 1024
     """Positions per vocabulary-projection chunk in the log-prob pass."""
     rollout_batch: int = 256

@@ -166,6 +166,10 @@ class Trainer:
             self.policies.freeze_reference()
         if cfg.train.parallel == "fsdp":
             self.policies.shard_fsdp()  # before the optimizers: they hold the sharded parameters
+        if cfg.train.activation_checkpointing and cfg.run.device == "cpu":
+            from srpo.policies.checkpointing import return_freed_blocks_to_the_os
+
+            return_freed_blocks_to_the_os()  # else glibc keeps the freed activations (see there)
         if cfg.rollout.engine == "vllm" and not self.policies.engines:
             from srpo.policies.vllm_engine import EngineSettings
 

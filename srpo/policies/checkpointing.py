@@ -24,6 +24,31 @@ from torch.utils.checkpoint import checkpoint
 
 CACHE_NAMES = ("cache", "past_key_values", "past_key_value")
 
+_MMAP_THRESHOLD_SET = False
+
+
+def return_freed_blocks_to_the_os(threshold: int = 1 << 20) -> bool:
+    """glibc: serve allocations ≥ ``threshold`` bytes by mmap, so freed ones go back to the OS.
+
+    By default glibc raises its mmap threshold each time a large block is freed and then keeps
+    later large blocks in its heap: with checkpointing, the recomputed activations are freed
+    layer by layer, yet the process's RSS stays ~1.7 GB above what is live on a 135M model
+    (benchmarks/README.md, row 5).  Fixing the threshold (what ``MALLOC_MMAP_THRESHOLD_`` does)
+    returns them.  A no-op elsewhere (not glibc) and when the environment already sets it.
+    Returns whether the setting took effect."""
+    global _MMAP_THRESHOLD_SET
+    import ctypes
+    import os
+
+    if _MMAP_THRESHOLD_SET or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return _MMAP_THRESHOLD_SET
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        _MMAP_THRESHOLD_SET = bool(libc.mallopt(-3, int(threshold)))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        _MMAP_THRESHOLD_SET = False
+    return _MMAP_THRESHOLD_SET
+
 
 def _cache_arg(layer) -> str | None:
     params = inspect.signature(layer.forward).parameters
