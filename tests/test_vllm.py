@@ -21,7 +21,9 @@ from srpo.policies.vllm_engine import EngineSettings  # noqa: E402
 from srpo.trainer import Trainer  # noqa: E402
 
 pytestmark = pytest.mark.slow
-SETTINGS = EngineSettings(gpu_memory_utilization=0.1, max_model_len=512)
+# A fixed 1 GiB KV cache: vLLM's CPU budget from a fraction of system memory fails when other
+# processes hold memory at that moment ("available memory ... less than requested").
+SETTINGS = EngineSettings(gpu_memory_utilization=0.1, max_model_len=512, cpu_kv_cache_gib=1)
 # Tolerance of |engine − trainer| per token log-prob: the engine runs its own kernels (oneDNN
 # matmuls, its attention) in float32; observed differences are ~1e-5.
 TOL = 2e-3
@@ -98,6 +100,7 @@ def test_a_team_trains_a_step_on_the_vllm_engine(tmp_path):
         "workflow.options={num_workers: 2}", "workflow.max_new_tokens=24", "train.tasks_per_step=2",
         "train.group_size=2", "task.train.n=4", "log.tensorboard=false", "rollout.engine=vllm",
         "rollout.gpu_memory_utilization=0.1", "train.tis_cap=2.0", "train.skip_zero_advantage=false"])
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"  # as SETTINGS, for the engine the trainer starts
     trainer = Trainer(cfg, progress=False, reward_fn=lambda task, answer: float(len(answer or "") % 3) / 2)
     try:
         before = [p.detach().clone() for p in trainer.policies.parameters("shared")]

@@ -78,6 +78,7 @@ class EngineSettings:
     max_model_len: int = 4096
     enforce_eager: bool | None = None  # None: eager on CPU (no graph capture there)
     max_lora_rank: int = 16
+    cpu_kv_cache_gib: float | None = None  # CPU only: a fixed KV-cache size instead of a memory fraction
 
 
 _FINISH = {"length": "length", "stop": "stop", "abort": "length"}
@@ -93,6 +94,8 @@ class VLLMEngine:
         if not torch.cuda.is_available():  # vLLM's CPU backend: use both cores, keep none back
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(os.cpu_count() or 1, 1) - 1}")
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+            if settings.cpu_kv_cache_gib:  # the fraction of system memory is fragile on a shared machine
+                os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(max(1, settings.cpu_kv_cache_gib)))
         from vllm import LLM
 
         eager = (not torch.cuda.is_available()) if settings.enforce_eager is None else settings.enforce_eager
