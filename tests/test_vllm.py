@@ -37,7 +37,7 @@ def _requests(policies, roles, n=4):
             for i, p in enumerate(prompts[:n])]
 
 
-def _trainer_logprobs(policies, requests, samples):
+def _trainer_logprobs(policies, requests, samples, grad=False):
     """The trainer's teacher-forced log-probs of the engine's samples, per policy."""
     from srpo.events import Event, Member
 
@@ -51,7 +51,7 @@ def _trainer_logprobs(policies, requests, samples):
                                 behaviour_logprobs=s.logprobs, member_index=0, text=s.text, truncated=s.truncated,
                                 temperature=r.params.temperature))
         b = collate([e], policies.tokenizer.pad_token_id)
-        with torch.no_grad():
+        with torch.set_grad_enabled(grad):
             lp = policies.logprobs(pid, b.input_ids, b.attention_mask, b.prompt_length, action_mask=b.action_mask,
                                    temperature=b.temperatures)
         out.append(lp[0, :len(s.completion_ids)])
@@ -63,18 +63,20 @@ def _max_gap(policies, requests, samples):
     return max(float((torch.tensor(s.logprobs) - r).abs().max()) for s, r in zip(samples, ref) if s.completion_ids)
 
 
-def _perturb(policies):
-    """An optimizer-like change of every trainable weight."""
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(7)
-        for pid in policies.policy_ids:
-            for p in policies.parameters(pid):
-                # LoRA's B starts at zero: give it a scale of its own.
-                p.add_(0.05 * torch.randn(p.shape, generator=g) * p.abs().mean().clamp(min=0.05))
+def _optimizer_step(policies, requests, samples):
+    """One real AdamW step of every policy on the samples' log-likelihood (moves every weight by
+    ~lr, LoRA's zero-initialised B included)."""
+    params = [p for pid in policies.policy_ids for p in policies.parameters(pid)]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    with torch.enable_grad():
+        loss = -sum(lp.sum() for lp in _trainer_logprobs(policies, requests, samples, grad=True))
+        loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
 
 
 @pytest.mark.parametrize("layout", ["shared", "separate", "lora"])
-def test_engine_logprobs_match_the_trainer_before_and_after_a_weight_sync(layout):
+def test_engine_logprobs_match_the_trainer_before_and_after_an_optimizer_step_and_sync(layout):
     roles = ["a", "b"]
     policies = build_policies(layout, "smollm2-135m", roles)
     policies.start_engine("smollm2-135m", dtype="float32", seed=0, settings=SETTINGS)
@@ -84,7 +86,7 @@ def test_engine_logprobs_match_the_trainer_before_and_after_a_weight_sync(layout
         samples = policies.generate(requests, g)
         assert all(s.completion_ids and len(s.logprobs) == len(s.completion_ids) for s in samples)
         assert _max_gap(policies, requests, samples) < TOL
-        _perturb(policies)
+        _optimizer_step(policies, requests, samples)
         stale = policies.generate(requests, torch.Generator().manual_seed(0))
         assert _max_gap(policies, requests, stale) > 10 * TOL  # the engine still has the old weights
         policies.sync_engine()
