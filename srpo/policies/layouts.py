@@ -199,11 +199,15 @@ class PolicySet:
         if self.layout == "lora":
             engine = self.engines["base"]
             for pid in self.policy_ids:
-                engine.sync_adapter(pid, lambda folder, pid=pid: self.model.save_pretrained(
-                    folder, selected_adapters=[pid]) or _flatten_adapter_folder(folder, pid))
+                engine.sync_adapter(pid, lambda folder, pid=pid: self._save_adapter(pid, folder))
         else:
             for pid, engine in self.engines.items():
                 engine.sync(_unique_tensors(self.model_for(pid).state_dict()))
+
+    def _save_adapter(self, policy_id: str, folder: Path) -> None:
+        """One policy's LoRA adapter alone in ``folder`` (PEFT puts a non-default one in a sub-folder)."""
+        self.model.save_pretrained(folder, selected_adapters=[policy_id])
+        _flatten_adapter_folder(folder, policy_id)
 
     def _engine_generate(self, requests, generator) -> list[Sample]:
         if self.layout == "lora":

@@ -157,8 +157,10 @@ class VLLMEngine:
         save_adapter(folder)
         old = self.loras.get(policy_id)
         self.loras[policy_id] = LoRARequest(f"{policy_id}-{lora_id}", lora_id, str(folder))
-        if old is not None:
-            self.llm.llm_engine.remove_lora(old.lora_int_id) if hasattr(self.llm, "llm_engine") else None
+        if old is not None:  # the superseded version: out of the engine's adapter slots, off the disk
+            remove = getattr(getattr(self.llm, "llm_engine", None), "remove_lora", None)
+            if remove is not None:
+                remove(old.lora_int_id)
             shutil.rmtree(old.lora_path, ignore_errors=True)
 
     def close(self) -> None:
