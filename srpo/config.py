@@ -226,7 +226,8 @@ class EvalConfig:
 class RolloutConfig:
     engine: str = "hf"
     """hf (srpo's own sampler on the training weights) or vllm (a colocated vLLM engine, weights
-    synced after every optimizer step; pip install vllm — see docs/scaling.md)."""
+    synced after each step's optimizer steps, before the next rollout; pip install vllm — see
+    docs/scaling.md)."""
     gpu_memory_utilization: float = 0.3
     """vllm: the fraction of GPU memory (on CPU: of system memory) the engine reserves."""
     max_model_len: int = 0

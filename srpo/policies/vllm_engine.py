@@ -2,8 +2,9 @@
 
 One :class:`VLLMEngine` per full model (``shared``: one; ``separate``: one per policy; ``lora``:
 one over the frozen base, with each policy's adapter sent as a ``LoRARequest``).  It is colocated
-with the trainer: the trainer keeps its own model for the update, and after every optimizer step
-the new weights are pushed into the engine (:meth:`VLLMEngine.sync`).
+with the trainer: the trainer keeps its own model for the update, and after each training step's
+optimizer steps — before the next rollout, the only time anything samples — the new weights are
+pushed into the engine (:meth:`VLLMEngine.sync`).
 
 - **Batching**: one ``generate`` call for every pending request of every role and episode, each
   with its own ``SamplingParams`` (temperature, top-p, max tokens, stop strings, a seed drawn
