@@ -303,14 +303,17 @@ class Trainer:
         return (lp, ent) if entropy else lp
 
     def _ref_logprobs(self, batch):
+        """(M, T) reference log-probs, under the same autocast as the policy's: a KL term between
+        a bf16 forward and a float32 one would measure the precision gap, not the policy's drift."""
         M, T = batch.action_mask.shape
         ref = torch.zeros(M, T, device=batch.input_ids.device)
-        for pid in sorted(set(batch.policy_ids)):
-            rows = batch.rows_of_policy(pid).to(ref.device)
-            ref[rows] = self.policies.reference_logprobs(
-                pid, batch.input_ids[rows], batch.attention_mask[rows], batch.prompt_length,
-                action_mask=batch.action_mask[rows], temperature=batch.temperatures[rows],
-                chunk_tokens=self.cfg.train.chunk_tokens)
+        with self.autocast():
+            for pid in sorted(set(batch.policy_ids)):
+                rows = batch.rows_of_policy(pid).to(ref.device)
+                ref[rows] = self.policies.reference_logprobs(
+                    pid, batch.input_ids[rows], batch.attention_mask[rows], batch.prompt_length,
+                    action_mask=batch.action_mask[rows], temperature=batch.temperatures[rows],
+                    chunk_tokens=self.cfg.train.chunk_tokens)
         return ref
 
     @property
