@@ -55,24 +55,21 @@ class CorruptCheckpoint(CheckpointError):
 # ------------------------------------------------------------------------------------ RNG state
 
 
-def rng_state(generators: dict[str, torch.Generator]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """The RNG states as ``(plain JSON, tensors)``: Python and NumPy in JSON, torch as tensors."""
+def rng_state() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The global RNG states as ``(plain JSON, tensors)``: Python and NumPy in JSON, torch's as a tensor."""
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
     plain = {"python": [version, list(internal), gauss],
              "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
-    tensors = {"torch": torch.get_rng_state(), **{f"generator/{k}": g.get_state() for k, g in generators.items()}}
-    return plain, tensors
+    return plain, {"torch": torch.get_rng_state()}
 
 
-def set_rng_state(plain: dict[str, Any], tensors: dict[str, torch.Tensor], generators: dict[str, torch.Generator]) -> None:
+def set_rng_state(plain: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
     version, internal, gauss = plain["python"]
     random.setstate((version, tuple(internal), gauss))
     name, keys, pos, has_gauss, cached = plain["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(tensors["torch"])
-    for k, g in generators.items():
-        g.set_state(tensors[f"generator/{k}"])
 
 
 # ------------------------------------------------------------------------------------ writing

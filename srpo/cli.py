@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -115,10 +116,11 @@ def _eval(args) -> int:
     from srpo.data import build_retriever, guess_kind, load_tasks, source_name
     from srpo.evaluation import evaluate, markdown_table, write_results
     from srpo.trainer import build_policy_set, build_workflow_from_config, role_specs_for
+    from srpo.workflows.builtins import SEARCH_WORKFLOWS
 
     sources = _parse_data(args.data)
     kind = args.kind
-    if kind is None and args.workflow in ("search", "search_team"):
+    if kind is None and args.workflow in SEARCH_WORKFLOWS:
         kind = "qa"
     if kind is None:  # from the data: graded by the wrong kind, a dataset scores silently wrong
         kinds = {k for k in (guess_kind(s) for s in sources) if k}
@@ -236,10 +238,10 @@ def _retriever(args) -> int:
     from srpo.tasks.retrieval_service import serve
     from srpo.tasks.search import BM25Retriever
 
-    started = __import__("time").perf_counter()
+    started = time.perf_counter()
     passages = corpus_passages(args.corpus)
     index = BM25Retriever(passages)
-    print(f"BM25 over {len(passages)} passages of {args.corpus} ({__import__('time').perf_counter() - started:.1f} s); "
+    print(f"BM25 over {len(passages)} passages of {args.corpus} ({time.perf_counter() - started:.1f} s); "
           f"serving POST http://{args.host}:{args.port}/retrieve (Ctrl-C stops)", file=sys.stderr, flush=True)
     serve(index, host=args.host, port=args.port, default_topk=args.topk)
     return 0

@@ -34,8 +34,7 @@ class MetricsLogger:
         self.backends = list(backends)
         self.tracker_options = tracker_options or {}
         self.trackers: list | None = None
-        # Events at or after this step are dropped where a tracker can (TensorBoard), and tracker
-        # runs are continued, not started anew: set on resume.
+        # TensorBoard drops its events at or after this step: set on resume.
         self.purge_step: int | None = None
 
     def _open_trackers(self) -> list:

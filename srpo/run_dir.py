@@ -123,8 +123,11 @@ def clear_previous_run(run_dir: str | Path) -> list[str]:
     found = previous_run(run_dir)
     for name in RUN_ARTEFACTS:
         p = run_dir / name
-        if p.is_dir():
-            shutil.rmtree(p)
-        elif p.exists():
-            p.unlink()
+        try:
+            if p.is_dir():
+                shutil.rmtree(p)
+            elif p.exists():
+                p.unlink()
+        except OSError as err:
+            raise RunDirError(f"--overwrite: cannot delete {p} ({err.strerror or err})") from None
     return found

@@ -5,8 +5,9 @@
 config is validated, before any model loads.  Every tracker receives the same scalar rows as
 ``metrics.jsonl``.
 
-Resuming: the tracker run's id is kept in ``<run>/trackers.json`` and a resumed run logs into the
-same tracker run.  TensorBoard drops its events after the resumed step (``purge_step``); W&B,
+Resuming: the tracker run's id is kept in ``<run>/trackers.json`` (a run folder's artefact: a
+fresh or overwritten run starts without it), and whatever opens the trackers again in that folder
+— a resumed run, a second ``fit`` — logs into the same tracker run.  TensorBoard drops its events after the resumed step (``purge_step``); W&B,
 MLflow and trackio cannot delete logged points, so the rows a killed run logged after its last
 checkpoint stay there next to the resumed run's rows for the same steps (W&B keeps the first: its
 steps must increase).  ``metrics.jsonl`` is always the exact record.
@@ -44,7 +45,7 @@ class TrackerSettings:
     project: str = "srpo"
     run_name: str = ""
     config: dict | None = None
-    purge_step: int | None = None  # set on resume: the first step the resumed run logs
+    purge_step: int | None = None  # TensorBoard: drop events from this step on (set on resume)
     mlflow_tracking_uri: str = ""
     wandb_mode: str = ""
 
@@ -89,7 +90,7 @@ class WandbTracker:
     def __init__(self, s: TrackerSettings):
         import wandb
 
-        run_id = _ids(s.run_dir).get("wandb") if s.purge_step is not None else None
+        run_id = _ids(s.run_dir).get("wandb")
         self.run = wandb.init(project=s.project, name=s.name, id=run_id, resume="allow" if run_id else None,
                               dir=str(s.run_dir), config=s.config, mode=s.wandb_mode or None,
                               settings=wandb.Settings(silent=True, console="off"))
@@ -120,7 +121,7 @@ class MlflowTracker:
             uri = (s.run_dir / "mlruns").resolve().as_uri()
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=uri)
-        run_id = _ids(s.run_dir).get("mlflow") if s.purge_step is not None else None
+        run_id = _ids(s.run_dir).get("mlflow")
         if run_id:
             self.client.update_run(run_id, status="RUNNING")
         else:
@@ -152,7 +153,7 @@ class TrackioTracker:
         import trackio
 
         self.trackio = trackio
-        resume = "allow" if s.purge_step is not None and "trackio" in _ids(s.run_dir) else "never"
+        resume = "allow" if "trackio" in _ids(s.run_dir) else "never"
         self.run = trackio.init(project=s.project, name=s.name, config=s.config, resume=resume, embed=False,
                                 auto_log_gpu=False, auto_log_cpu=False)
         _remember(s.run_dir, "trackio", s.name)

@@ -40,6 +40,7 @@ from srpo.events import Event, collate, global_normalizer, split_minibatches, va
 from srpo.methods import METHODS, assign_advantages
 from srpo.metrics_log import MetricsLogger
 from srpo.objective import policy_loss
+from srpo.policies.fsdp import global_norm_value
 from srpo.policies.layouts import LoraSettings, PolicySet, build_policies
 from srpo.policies.sampling import SamplingParams
 from srpo.run_dir import RunDirError, RunLock, clear_previous_run, previous_run
@@ -154,7 +155,8 @@ class Trainer:
         self.overwrite = overwrite
         self._claimed = False  # whether this run owns the folder's logs (resumed, or started fresh)
         self.lock = RunLock(self.run_dir)
-        self._on_rank0_agreed(lambda: (self.lock.acquire(), remove_stale_temporaries(self.run_dir)))
+        self._on_rank0_agreed(lambda: (self.lock.acquire(), remove_stale_temporaries(self.run_dir)),
+                              RunDirError(f"rank 0 could not lock the run folder {self.run_dir}; see its message"))
         self.method = METHODS[cfg.method.name]
         self._seed_everything(cfg.run.seed)
         self.train_tasks = load_tasks(cfg.task.train, cfg.task.kind)
@@ -201,18 +203,18 @@ class Trainer:
             tracker_options={"project": cfg.log.project, "run_name": cfg.log.run_name, "config": cfg.to_dict(),
                              "mlflow_tracking_uri": cfg.log.mlflow_tracking_uri, "wandb_mode": cfg.log.wandb_mode})
 
-    def _on_rank0_agreed(self, action) -> None:
-        """Run ``action`` on rank 0; if it fails, every rank raises (none waits in a collective)."""
-        error = None
+    def _on_rank0_agreed(self, action, failure: Exception):
+        """Run ``action`` on rank 0 and return its result there; if it raises, every rank raises —
+        rank 0 its own error, the others ``failure`` — so that none waits in a collective."""
+        error, result = None, None
         if self.dist.rank == 0:
             try:
-                action()
-            except (RunDirError, OSError) as err:
+                result = action()
+            except Exception as err:  # re-raised below, after every rank has heard of it
                 error = err
         if self.dist.sum_int(int(error is not None)):
-            if isinstance(error, OSError):
-                raise RunDirError(f"{self.run_dir}: {error}") from error
-            raise error or RunDirError(f"rank 0 could not claim the run folder {self.run_dir}; see its message")
+            raise error or failure
+        return result
 
     def close(self) -> None:
         """Release the run folder (the lock) and close the logs; the trainer can still be read."""
@@ -231,7 +233,7 @@ class Trainer:
             if found:
                 clear_previous_run(self.run_dir)
                 log.warning("--overwrite: deleted the previous run's %s in %s", ", ".join(found), self.run_dir)
-        self._on_rank0_agreed(claim)
+        self._on_rank0_agreed(claim, RunDirError(f"rank 0 refused the run folder {self.run_dir}; see its message"))
         self._claimed = True
 
     def _make_optimizer(self, params):
@@ -329,9 +331,9 @@ class Trainer:
             return [e for e in events if e.advantage != 0]
         return events
 
-    def recompute_old_logprobs(self, events: list[Event]) -> float:
-        """Set each member's q_old with a no-grad pass; return the max |q_old − behaviour| seen."""
-        worst = 0.0
+    def recompute_old_logprobs(self, events: list[Event]) -> None:
+        """Set each member's q_old with a no-grad pass (its gap to the behaviour log-probs goes to
+        ``self.mismatch``)."""
         device = self.cfg.run.device
         chunks, _ = split_minibatches(events, max(1, self.cfg.train.microbatches), "srpo")
         for part in chunks:
@@ -340,15 +342,12 @@ class Trainer:
                 continue
             batch = collate(part, self.policies.tokenizer.pad_token_id).to(device)
             old = self._batch_logprobs(batch, grad=False).cpu()
-            gap = ((old - batch.behaviour_logprobs.cpu()) * batch.action_mask.cpu()).abs().max().item()
-            worst = max(worst, gap)
             self.mismatch.add(batch, old)
             row = 0
             for e in part:
                 for m in e.members:
                     m.old_logprobs = old[row, :len(m.completion_ids)].tolist()
                     row += 1
-        return worst
 
     def update(self, events: list[Event]) -> dict[str, Any]:
         """Optimise on this rank's events (already advantage-assigned); return step metrics.
@@ -393,8 +392,6 @@ class Trainer:
                     # running the same forward twice (bit-identical to a recompute pass).
                     old = lp.detach() if self.on_policy_single_step else batch.old_logprobs.to(lp.device)
                     if self.on_policy_single_step:
-                        gap = ((old - batch.behaviour_logprobs.to(lp.device)) * batch.action_mask.to(lp.device)).abs()
-                        acc["old_vs_behaviour_max_abs"].append(float(gap.max()))
                         self.mismatch.add(batch, old)
                     loss, metrics = policy_loss(
                         loss_name, logprobs=lp, old_logprobs=old, mask=batch.action_mask,
@@ -464,8 +461,6 @@ class Trainer:
         # overflows float32, which counts as exploded too) — no separate pass over every gradient.
         # A skipped step throws the clipped gradients away.
         max_norm = self.cfg.train.max_grad_norm if self.cfg.train.max_grad_norm > 0 else float("inf")
-        from srpo.policies.fsdp import global_norm_value
-
         norms = {pid: global_norm_value(torch.nn.utils.clip_grad_norm_(self.policies.parameters(pid), max_norm))
                  for pid in self.policies.policy_ids}
         finite = bool(torch.isfinite(loss)) and all(bool(torch.isfinite(n)) for n in norms.values())
@@ -495,21 +490,15 @@ class Trainer:
         valid, dropped = validate_events(events)
         loss_events = assign_advantages(valid, self.cfg.method.name, scale=self.cfg.method.advantage_scale)
         t1 = time.perf_counter()
-        old_gap = None
         self.mismatch = RolloutMismatch()
         if self.cfg.train.old_logprobs == "recompute" and not self.on_policy_single_step:
             needed = self.events_to_forward(loss_events)
-            if self.policies.fsdp:  # the pass is collective: all ranks run it when any rank needs it
-                if self.dist.sum_int(len(needed)):
-                    gap = self.recompute_old_logprobs(needed)
-                    old_gap = gap if needed else None
-            elif needed:
-                old_gap = self.recompute_old_logprobs(needed)  # None when nothing was measured
+            # Under FSDP the pass is collective: every rank runs it when any rank needs it.
+            if self.dist.sum_int(len(needed)) if self.policies.fsdp else needed:
+                self.recompute_old_logprobs(needed)
         metrics = self.update(loss_events)
         t_update = time.perf_counter() - t1
         metrics.update(self._episode_metrics(episodes, valid, dropped))
-        if old_gap is not None:
-            metrics["old_vs_behaviour_max_abs"] = old_gap
         metrics.update(self.mismatch.metrics())
         for key, count in getattr(self.retriever, "stats", {}).items():  # a retrieval server's client
             metrics[f"retriever/{key}"] = count  # since the run (this process) started
@@ -573,7 +562,7 @@ class Trainer:
 
         A collective under data parallelism (each rank's sampling generator is gathered); the
         optimizer state is left out under FSDP, where it is sharded and saved by DCP."""
-        rng_plain, rng_tensors = rng_state({"rollout": self.rollout_generator})
+        rng_plain, rng_tensors = rng_state()  # Python, NumPy, torch; the sampling generator per rank below
         rng_plain["rollout_by_rank"] = self._gather_rollout_states()
         tensors = {
             "optimizers": {} if self.policies.fsdp else {pid: o.state_dict() for pid, o in self.optimizers.items()},
@@ -587,7 +576,6 @@ class Trainer:
             "rng": rng_plain,
             "totals": dict(self.totals),
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
-            "world_size": self.dist.world,
         }
         return tensors, plain
 
@@ -634,17 +622,13 @@ class Trainer:
                  for pid in self.policies.policy_ids}
         dcp.save(state, checkpoint_id=str(tmp / "dcp"))
         self.policies.gather_full_weights()
-        written, error = None, None
-        if self.dist.rank == 0:
-            try:
-                written = save_checkpoint(self.run_dir, self.step, self.policies, tensors, plain, self.cfg.to_dict(),
-                                          keep=self.cfg.checkpoint.keep, tmp=tmp)
-            except Exception as err:  # told to every rank below, so none waits for a step that never comes
-                error = err
-        self.policies._full_weights = {}
-        if self.dist.sum_int(int(error is not None)):
-            raise error or CheckpointError("rank 0 could not write the checkpoint; see its message")
-        return written
+        try:
+            return self._on_rank0_agreed(
+                lambda: save_checkpoint(self.run_dir, self.step, self.policies, tensors, plain, self.cfg.to_dict(),
+                                        keep=self.cfg.checkpoint.keep, tmp=tmp),
+                CheckpointError("rank 0 could not write the checkpoint; see its message"))
+        finally:
+            self.policies._full_weights = {}
 
     def resume(self, path: Path | None = None) -> bool:
         """Continue from ``path`` or the run's newest complete checkpoint; False when there is none.
@@ -702,8 +686,8 @@ class Trainer:
         for pid, s in self.schedulers.items():
             s.load_state_dict(tensors["schedulers"][pid])
         self.policies.versions.update(plain["versions"])
-        set_rng_state(plain["rng"], tensors["rng"], {"rollout": self.rollout_generator})
-        by_rank = plain["rng"].get("rollout_by_rank") or []
+        set_rng_state(plain["rng"], tensors["rng"])
+        by_rank = plain["rng"]["rollout_by_rank"]
         if len(by_rank) == self.dist.world:
             self.rollout_generator.set_state(torch.tensor(by_rank[self.dist.rank], dtype=torch.uint8))
         else:  # another number of processes: each rank's sampling cannot continue its old stream
@@ -757,24 +741,29 @@ class RolloutMismatch:
     """How far the sampler's log-probs (behaviour) are from the trainer's for the same tokens.
 
     Measured where the trainer computes q_old anyway (the recompute pass, or the update's forward
-    when strictly on-policy), per role and over all action tokens: mean |Δ log p| per token and
-    the fraction of tokens with |Δ| > 0.1.  With srpo's own sampler Δ is rounding (~1e-6); with
-    an inference engine (vLLM) it is what ``train.tis_cap`` corrects for."""
+    when strictly on-policy), per role and over all action tokens: mean |Δ log p| per token, the
+    fraction of tokens with |Δ| > 0.1 and the largest |Δ| (``old_vs_behaviour_max_abs``).  With
+    srpo's own sampler Δ is rounding (~1e-6); with an inference engine (vLLM) it is what
+    ``train.tis_cap`` corrects for.  Nothing is reported when nothing was measured."""
 
     THRESHOLD = 0.1
 
     def __init__(self):
         self.sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])  # |Δ| sum, tokens, above
+        self.max_abs: float | None = None
 
     def add(self, batch, old: torch.Tensor) -> None:
+        """``old``: (M, T) the trainer's log-probs of ``batch``'s completions."""
         mask = batch.action_mask.to(old.device) > 0
-        delta = (old - batch.behaviour_logprobs.to(old.device)).abs()
-        for i, role in enumerate(batch.roles):
-            d = delta[i][mask[i]]
+        delta = torch.where(mask, (old - batch.behaviour_logprobs.to(old.device)).abs(), torch.zeros_like(old))
+        # Three (M,) reductions, read back once each, then summed per role in Python.
+        rows = zip(delta.sum(1).tolist(), mask.sum(1).tolist(), (delta > self.THRESHOLD).sum(1).tolist())
+        for role, row in zip(batch.roles, rows):
             s = self.sums[role]
-            s[0] += float(d.sum())
-            s[1] += d.numel()
-            s[2] += float((d > self.THRESHOLD).sum())
+            for k in range(3):
+                s[k] += row[k]
+        worst = float(delta.max()) if delta.numel() else 0.0
+        self.max_abs = worst if self.max_abs is None else max(self.max_abs, worst)
 
     def metrics(self) -> dict[str, float]:
         out = {}
@@ -787,6 +776,8 @@ class RolloutMismatch:
         if total[1]:
             out["mismatch/mean_abs"] = total[0] / total[1]
             out["mismatch/frac_above_0.1"] = total[2] / total[1]
+        if self.max_abs is not None:
+            out["old_vs_behaviour_max_abs"] = self.max_abs
         return out
 
 
@@ -796,9 +787,7 @@ def _reduce_metrics(acc: dict[str, list]) -> dict[str, float]:
     for k, vals in acc.items():
         if k.startswith("clip_frac/k") or k.startswith("units/k"):
             continue
-        if k == "old_vs_behaviour_max_abs":
-            out[k] = float(max(vals))
-        elif k in ("num_events", "num_members", "num_tokens", "overflow_guard"):
+        if k in ("num_events", "num_members", "num_tokens", "overflow_guard"):
             out[f"objective/{k}"] = float(sum(vals))
         elif k.endswith("/min"):
             out[f"objective/{k}"] = float(min(vals))

@@ -357,7 +357,7 @@ def test_a_same_size_corruption_is_caught_by_the_digest(tmp_path, caplog):
     trainer.close()
 
 
-def test_no_usable_checkpoint_is_an_error_that_names_each_problem(tmp_path):
+def test_no_usable_checkpoint_is_an_error_that_names_each_problem(tmp_path, capsys):
     run = tmp_path / "run"
     trained(run, ["run.steps=2"])
     for step in ("step_0000001", "step_0000002"):
@@ -365,6 +365,9 @@ def test_no_usable_checkpoint_is_an_error_that_names_each_problem(tmp_path):
     code = main(["train", "--config", str(ROOT / "configs/math/single/srpo.yaml"),
                  *[x for o in tiny(run) for x in ("--set", o)], "--resume"])
     assert code == 2
+    err = capsys.readouterr().err
+    assert "no usable checkpoint to resume from" in err
+    assert "step_0000001: no manifest.json" in err and "step_0000002: no manifest.json" in err
 
 
 # ----------------------------------------------------------------- 8. evaluating model folders
@@ -398,9 +401,9 @@ def test_non_utf8_config_and_dataset_are_named(tmp_path):
     data.write_bytes(b'{"question": "1+1?", "answer": "#### 2"}\n{"question": "caf\xe9", "answer": "#### 3"}\n')
     from srpo.tasks import DatasetError
 
+    cfg = load_config(None, tiny(tmp_path / "run", [f"task.train.source={data}"]))
     with pytest.raises(DatasetError, match=r"d.jsonl, line 2: not UTF-8 text"):
-        load_config(None, tiny(tmp_path / "run", [f"task.train.source={data}"])) and \
-            Trainer(load_config(None, tiny(tmp_path / "run", [f"task.train.source={data}"])), progress=False)
+        Trainer(cfg, progress=False)
 
 
 def test_empty_config_and_include_forms(tmp_path):

@@ -73,11 +73,11 @@ def _one_layer_cache(model, index: int, keys, values):
     return cache
 
 
-def _checkpointed_forward(model, layer, index: int, cache_name: str | None, original, hidden_states, *args, **kwargs):
+def _checkpointed_forward(model, index: int, cache_name: str | None, original, hidden_states, *args, **kwargs):
+    if not torch.is_grad_enabled():  # nothing is kept for a backward anyway
+        return original(hidden_states, *args, **kwargs)
     cache = kwargs.get(cache_name) if cache_name else None
-    if cache is None or not torch.is_grad_enabled():
-        if not torch.is_grad_enabled():
-            return original(hidden_states, *args, **kwargs)
+    if cache is None:
         return checkpoint(original, hidden_states, *args, use_reentrant=False, **kwargs)
     slot = cache.layers[index]
     prefix_k = slot.keys if getattr(slot, "is_initialized", slot.keys is not None) else None
@@ -113,7 +113,7 @@ def activation_checkpointing(model, enabled: bool = True):
         original = layer.forward
         cache_name = _cache_arg(layer)
         saved.append((layer, "forward" in layer.__dict__, layer.__dict__.get("forward")))
-        layer.forward = partial(_checkpointed_forward, model, layer, _layer_index(layer, i), cache_name, original)
+        layer.forward = partial(_checkpointed_forward, model, _layer_index(layer, i), cache_name, original)
     try:
         yield
     finally:

@@ -59,6 +59,10 @@ class PolicySet:
         self.tokenizer = tokenizer
         self.role_to_policy = dict(role_to_policy)
         self.versions = {pid: 0 for pid in self.policy_ids}
+        self._fsdp_roots: dict = {}  # policy id → FSDP root unit (train.parallel: fsdp)
+        self._gathered_depth = 0
+        self._full_weights: dict = {}  # policy id → full state dict on rank 0, while checkpointing
+        self.engines: dict = {}  # policy id (or "base" for lora) → VLLMEngine (rollout.engine: vllm)
 
     @property
     def policy_ids(self) -> list[str]:
@@ -94,10 +98,6 @@ class PolicySet:
         raise NotImplementedError
 
     # -- FSDP (train.parallel: fsdp; full-model layouts) ------------------------------------------
-    _fsdp_roots: dict = {}
-    _gathered_depth = 0
-    _full_weights: dict = {}
-
     @property
     def fsdp(self) -> bool:
         return bool(self._fsdp_roots)
@@ -171,8 +171,6 @@ class PolicySet:
             _load_full_model(model, Path(folder))
 
     # -- a vLLM rollout engine (rollout.engine: vllm) --------------------------------------------
-    engines: dict = {}  # policy id (or "base" for lora) → VLLMEngine
-
     def start_engine(self, model_name: str, *, dtype: str, seed: int, settings) -> None:
         """Start vLLM engine(s) on the current weights; sampling then goes through them."""
         from srpo.policies.vllm_engine import VLLMEngine
@@ -213,16 +211,19 @@ class PolicySet:
         if self.layout == "lora":
             return self.engines["base"].generate([r.prompt_ids for r in requests], [r.params for r in requests],
                                                  generator, adapters=[self.policy_of(r.role) for r in requests])
-        out: list[Sample | None] = [None] * len(requests)
+        return self._per_policy(requests, lambda pid, reqs: self.engines[pid].generate(
+            [r.prompt_ids for r in reqs], [r.params for r in reqs], generator))
+
+    def _per_policy(self, requests, sample) -> list[Sample]:
+        """Samples for ``requests`` in order, drawn by ``sample(policy_id, its_requests)`` one policy at a time."""
         by_policy: dict[str, list[int]] = defaultdict(list)
         for i, r in enumerate(requests):
             by_policy[self.policy_of(r.role)].append(i)
+        out: list[Sample | None] = [None] * len(requests)
         for pid in sorted(by_policy):
             rows = by_policy[pid]
-            got = self.engines[pid].generate([requests[i].prompt_ids for i in rows], [requests[i].params for i in rows],
-                                             generator)
-            for i, sample in zip(rows, got):
-                out[i] = sample
+            for i, got in zip(rows, sample(pid, [requests[i] for i in rows])):
+                out[i] = got
         return out  # type: ignore[return-value]
 
     def close_engines(self) -> None:
@@ -486,15 +487,8 @@ class SeparatePolicies(PolicySet):
         if self.engines:
             return self._engine_generate(requests, generator)
         self._require_gathered()
-        by_policy: dict[str, list[int]] = defaultdict(list)
-        for i, r in enumerate(requests):
-            by_policy[self.policy_of(r.role)].append(i)
-        out: list[Sample | None] = [None] * len(requests)
-        for pid in sorted(by_policy):
-            rows = by_policy[pid]
-            for i, s in zip(rows, _sample_grouped(self.models[pid], self.tokenizer, [requests[i] for i in rows], generator)):
-                out[i] = s
-        return out  # type: ignore[return-value]
+        return self._per_policy(requests, lambda pid, reqs: _sample_grouped(self.models[pid], self.tokenizer, reqs,
+                                                                            generator))
 
     def save_pretrained(self, folder):
         for pid, model in self.models.items():
