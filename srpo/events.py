@@ -71,10 +71,19 @@ class Event:
     members: list[Member] = field(default_factory=list)
     reward: float | None = None
     advantage: float | None = None
+    transition_size: int = 0
+    """The size K of the active set of the transition this event came from (0: ``size``); member-
+    level methods split a K-event into K one-member events, which keep K here for the by-K
+    diagnostics."""
 
     @property
     def size(self) -> int:
         return len(self.members)
+
+    @property
+    def set_size(self) -> int:
+        """K of the transition (``transition_size`` when split, else ``size``)."""
+        return self.transition_size or self.size
 
     @property
     def is_valid(self) -> bool:
@@ -154,6 +163,8 @@ class EventBatch:
         advantages         (E,) float (0 where the trainer has not set one)
         rewards            (E,) float
         set_sizes          (E,) long
+        member_set_sizes   (M,) long, K of the transition each member belongs to (for member-
+                           level methods, whose events were split, the K before the split)
     """
 
     input_ids: torch.Tensor
@@ -167,6 +178,7 @@ class EventBatch:
     advantages: torch.Tensor
     rewards: torch.Tensor
     set_sizes: torch.Tensor
+    member_set_sizes: torch.Tensor
     roles: list[str]
     policy_ids: list[str]
     events: list[Event]
@@ -224,6 +236,7 @@ def collate(events: list[Event], pad_token_id: int) -> EventBatch:
         advantages=torch.tensor([e.advantage or 0.0 for e in events], dtype=torch.float32),
         rewards=torch.tensor([e.reward or 0.0 for e in events], dtype=torch.float32),
         set_sizes=torch.tensor([e.size for e in events], dtype=torch.long),
+        member_set_sizes=torch.tensor([events[e_i].set_size for e_i, _ in members], dtype=torch.long),
         roles=[m.role for _, m in members],
         policy_ids=[m.policy_id for _, m in members],
         events=list(events),

@@ -44,7 +44,7 @@ def split_members(events: list[Event]) -> list[Event]:
     for e in events:
         for j, m in enumerate(e.members):
             out.append(Event(f"{e.event_id}/{j}", e.episode_id, e.task_id, f"{e.prior_state_id}/{j}", e.event_type,
-                             e.turn, 1, [m], e.reward, e.advantage))
+                             e.turn, 1, [m], e.reward, e.advantage, transition_size=e.set_size))
     return out
 
 

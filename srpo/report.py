@@ -22,6 +22,12 @@ def _smooth(ys, window=5):
     return out
 
 
+def _by_k(keys, metric: str) -> list[str]:
+    """``by_k/<metric>/k{K}`` keys in order of K (runs before 2026-11-30 logged ``clip_frac/k{K}``)."""
+    found = [k for k in keys if k.startswith(f"by_k/{metric}/k") or (metric == "clip_frac" and k.startswith("clip_frac/k"))]
+    return sorted(found, key=lambda k: int(k.rsplit("/k", 1)[1]))
+
+
 def make_plots(run_dir: Path) -> list[Path]:
     import matplotlib
 
@@ -37,7 +43,11 @@ def make_plots(run_dir: Path) -> list[Path]:
     panels = [
         ("reward_accuracy.png", "Reward and accuracy (training episodes)", ["reward", "accuracy"], True),
         ("clip_fraction_by_set_size.png", "Clip fraction by set size K",
-         sorted(k for k in keys if k.startswith("clip_frac/k")), True),
+         _by_k(keys, "clip_frac"), True),
+        ("gradient_share_by_set_size.png", "Share of the loss gradient (w.r.t. log-probs) by set size K",
+         _by_k(keys, "grad_share"), True),
+        ("log_ratio_spread_by_set_size.png", "Spread (std) of the clipped log-ratio by set size K",
+         _by_k(keys, "unit_log_ratio_std"), True),
         ("grad_norm.png", "Gradient norm (before clipping)", sorted(k for k in keys if k.startswith("grad_norm/")), False),
         ("active_set_size.png", "Mean active-set size",
          sorted(k for k in keys if k.startswith("active_set_size/") or k == "router_set_size/mean"), False),

@@ -71,15 +71,16 @@ def load_study(path: str | Path) -> dict:
 
 
 def cells(spec: dict) -> list[dict]:
-    """Every (axis entries..., seed) combination with its merged overrides."""
+    """Every (axis entries..., seed) combination with its merged overrides, seed by seed: every
+    cell of seed 0, then of seed 1, ... — so a study stopped early holds complete paired seeds."""
     axes = list(spec["axes"].items())
     out = []
-    for combo in itertools.product(*[entries for _, entries in axes]):
-        label = "-".join(e["label"] for e in combo)
-        overrides = dict(spec.get("overrides") or {})
-        for e in combo:
-            overrides.update(e.get("set") or {})
-        for seed in spec["seeds"]:
+    for seed in spec["seeds"]:
+        for combo in itertools.product(*[entries for _, entries in axes]):
+            label = "-".join(e["label"] for e in combo)
+            overrides = dict(spec.get("overrides") or {})
+            for e in combo:
+                overrides.update(e.get("set") or {})
             out.append({"label": label, "seed": seed, "overrides": {**overrides, "run.seed": seed},
                         "axes": {name: e["label"] for (name, _), e in zip(axes, combo)}})
     return out
@@ -175,7 +176,8 @@ def diagnostics(run_dir: Path) -> dict[str, Any]:
         "set_ratio_max": max((r.get("objective/set_ratio/max", 1.0) for r in rows), default=None),
         "set_log_ratio_mean": avg(rows, "objective/set_log_ratio/mean"),
         "clip_frac": avg(rows, "objective/clip_frac"),
-        "clip_frac_by_k": {k.removeprefix("clip_frac/"): avg(rows, k) for k in sorted(keys) if k.startswith("clip_frac/k")},
+        "clip_frac_by_k": {k.rsplit("/", 1)[1]: avg(rows, k) for k in sorted(keys)
+                           if k.startswith(("by_k/clip_frac/k", "clip_frac/k"))},
         "grad_norm": _stats([r.get("grad_norm/total") for r in rows]),
         "active_set_size_first": avg(head, "active_set_size/mean"),
         "active_set_size_last": avg(tail, "active_set_size/mean"),

@@ -40,6 +40,7 @@ from srpo.events import Event, collate, global_normalizer, split_minibatches, va
 from srpo.methods import METHODS, assign_advantages
 from srpo.metrics_log import MetricsLogger
 from srpo.objective import policy_loss
+from srpo.objective.metrics import MetricAccumulator, Metrics, gradient_share_by_k
 from srpo.policies.fsdp import global_norm_value
 from srpo.policies.layouts import LoraSettings, PolicySet, build_policies
 from srpo.policies.sampling import SamplingParams
@@ -358,7 +359,7 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         loss_name = self.method.loss
         device = cfg.run.device
-        acc: dict[str, list] = defaultdict(list)
+        acc = MetricAccumulator()
         role_stats: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         skipped = 0
         grad_norms: dict[str, float] = {}
@@ -400,16 +401,21 @@ class Trainer:
                         set_reduction=cfg.method.set_reduction, member_reduction=cfg.method.member_reduction,
                         normalizer=normalizer, ref_logprobs=ref, kl_coef=cfg.method.kl_coef,
                         behaviour_logprobs=batch.behaviour_logprobs.to(lp.device) if t.tis_cap else None,
-                        tis_cap=t.tis_cap or None)
+                        tis_cap=t.tis_cap or None, member_set_sizes=batch.member_set_sizes.to(device))
+                    metrics.update_from(gradient_share_by_k(loss, lp, batch.member_set_sizes.to(device)))
                     loss.backward()
                     total_loss += loss.detach().cpu()
-                    for k, v in metrics.items():
-                        acc[k].append(float(v))
+                    acc.add(metrics)
                     if want_entropy:
                         self._role_stats(batch, lp.detach(), ent, ref, role_stats)
                 skipped += self._optimizer_step(total_loss, grad_norms)
-                acc["loss"].append(float(total_loss))
-        out = _reduce_metrics(acc)
+                acc.end_optimizer_step()
+                step_loss = Metrics()
+                step_loss.per_step("loss", total_loss)  # this rank's part: all_reduce sums the parts
+                acc.add(step_loss)
+        acc.all_reduce()
+        out = {(k if k.startswith("by_k/") else f"objective/{k}"): v for k, v in acc.result().items()}
+        out["loss"] = out.pop("objective/loss", 0.0)
         out.update({f"grad_norm/{pid}": v for pid, v in grad_norms.items()})
         if grad_norms:
             out["grad_norm/total"] = math.sqrt(sum(v * v for v in grad_norms.values()))
@@ -779,29 +785,6 @@ class RolloutMismatch:
         if self.max_abs is not None:
             out["old_vs_behaviour_max_abs"] = self.max_abs
         return out
-
-
-def _reduce_metrics(acc: dict[str, list]) -> dict[str, float]:
-    """Mean over micro-batches; counts summed; per-K clip fractions weighted by their unit counts."""
-    out: dict[str, float] = {}
-    for k, vals in acc.items():
-        if k.startswith("clip_frac/k") or k.startswith("units/k"):
-            continue
-        if k in ("num_events", "num_members", "num_tokens", "overflow_guard"):
-            out[f"objective/{k}"] = float(sum(vals))
-        elif k.endswith("/min"):
-            out[f"objective/{k}"] = float(min(vals))
-        elif k.endswith("/max"):
-            out[f"objective/{k}"] = float(max(vals))
-        else:
-            out[k if k == "loss" else f"objective/{k}"] = float(np.mean(vals))
-    sizes = sorted({int(k.removeprefix("units/k")) for k in acc if k.startswith("units/k")})
-    for size in sizes:
-        units = acc[f"units/k{size}"]
-        fracs = acc[f"clip_frac/k{size}"]
-        total = sum(units)
-        out[f"clip_frac/k{size}"] = sum(f * u for f, u in zip(fracs, units)) / total if total else 0.0
-    return out
 
 
 def _episode_record(ep: EpisodeResult) -> dict[str, Any]:

@@ -50,7 +50,7 @@ def test_closed_form_srpo(reduction, c):
     assert torch.allclose(g[1:][action], torch.full_like(g[1:][action], expected_grad), atol=1e-9)
     assert torch.all(g[1:][~action] == 0)
     assert metrics["clip_frac"].item() == 0.5
-    assert metrics["clip_frac/k1"].item() == 1.0 and metrics["clip_frac/k3"].item() == 0.0
+    assert metrics["by_k/clip_frac/k1"].item() == 1.0 and metrics["by_k/clip_frac/k3"].item() == 0.0
     assert metrics["clip_frac_high"].item() == 0.5 and metrics["clip_frac_low"].item() == 0.0
     assert abs(metrics["set_log_ratio/max"].item() - max(0.3, 0.45 * c)) < 1e-9
 

@@ -34,13 +34,15 @@ from typing import Callable
 
 import torch
 
+from srpo.objective.metrics import Metrics
+
 SET_REDUCTIONS = ("sqrt", "sum", "mean")
 MEMBER_REDUCTIONS = ("sum", "mean")
 
 #: What each loss ratios, clips and averages over; the global ``normalizer`` counts these.
 UPDATE_UNITS = {"srpo": "event", "grpo": "token", "gspo": "member"}
 
-LossFn = Callable[..., "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
+LossFn = Callable[..., "tuple[torch.Tensor, Metrics]"]
 LOSSES: dict[str, LossFn] = {}
 
 
@@ -87,7 +89,20 @@ class MemberBatch:
     ref_kl          (M, T) or None: per-token k3 estimate of KL(q ‖ q_ref), 0 off the mask
     behaviour_log_ratio (M, T) or None: masked log q_old − log q_behaviour (the rollout engine's),
                     for truncated importance sampling; ``tis_cap`` its cap C
+    member_set_sizes(M,)   long, the K each member's diagnostics are reported under (default:
+                    its event's size here; a caller that split K-events into members passes K)
     """
+
+    def event_k(self) -> torch.Tensor:
+        """(E,) the K of each event for the by-K diagnostics."""
+        if self.member_set_sizes is None:
+            return self.set_sizes
+        return torch.zeros_like(self.set_sizes).scatter_reduce(0, self.event_index, self.member_set_sizes, "amax",
+                                                               include_self=False)
+
+    def member_k(self) -> torch.Tensor:
+        """(M,) the K of each member for the by-K diagnostics."""
+        return self.set_sizes[self.event_index] if self.member_set_sizes is None else self.member_set_sizes
 
     token_log_ratio: torch.Tensor
     mask: torch.Tensor
@@ -101,6 +116,7 @@ class MemberBatch:
     max_log_ratio: float
     behaviour_log_ratio: torch.Tensor | None = None
     tis_cap: float | None = None
+    member_set_sizes: torch.Tensor | None = None
     _set_scale: torch.Tensor | None = field(default=None, repr=False)  # (E,) c(K)
     _member_mean: bool = False  # member_reduction == "mean"
 
@@ -202,8 +218,8 @@ def _tis_weight(b: MemberBatch, unit: str, metrics: dict) -> torch.Tensor | None
         log_w, sel = b._set_scale * summed, b.present
     w = torch.exp(log_w.clamp(max=math.log(b.tis_cap)))
     capped = (log_w > math.log(b.tis_cap))[sel]
-    metrics["tis/weight_mean"] = w[sel].mean() if sel.any() else torch.zeros(())
-    metrics["tis/capped_frac"] = capped.float().mean() if capped.numel() else torch.zeros(())
+    metrics.mean_of("tis/weight_mean", w[sel])
+    metrics.mean_of("tis/capped_frac", capped.float())
     return w
 
 
@@ -234,47 +250,52 @@ def _as_normalizer(normalizer, local_count: torch.Tensor, like: torch.Tensor) ->
     return torch.tensor(float(normalizer), dtype=like.dtype, device=like.device)
 
 
-def _common_metrics(b: MemberBatch) -> dict[str, torch.Tensor]:
+def _common_metrics(b: MemberBatch) -> Metrics:
+    """Set log-ratio statistics, KL to q_old, counts, and the set log-ratio's spread per K."""
     present = b.present
     lr = b.set_log_ratio.detach()[present]
+    sizes = b.event_k()[present]
     ratio = torch.exp(lr.clamp(-b.max_log_ratio, b.max_log_ratio))
     d = b.token_log_ratio.detach()[b.mask]
-    empty = torch.zeros((), device=lr.device)
-
-    def stats(x, name):
-        if x.numel() == 0:
-            return {f"{name}/mean": empty, f"{name}/min": empty, f"{name}/max": empty}
-        return {f"{name}/mean": x.mean(), f"{name}/min": x.min(), f"{name}/max": x.max()}
-
-    metrics = {
-        **stats(lr, "set_log_ratio"),
-        **stats(ratio, "set_ratio"),
-        # k3 estimate of KL(q_old ‖ q) on the behaviour samples, per action token.
-        "approx_kl": (torch.exp(d) - 1 - d).mean() if d.numel() else empty,
-        "num_events": present.sum(),
-        "num_members": torch.tensor(b.event_index.numel(), device=lr.device),
-        "num_tokens": b.mask.sum(),
-        "mean_set_size": b.set_sizes[present].float().mean() if present.any() else empty,
-    }
+    m = Metrics()
+    for x, name in ((lr, "set_log_ratio"), (ratio, "set_ratio")):
+        m.mean_of(f"{name}/mean", x)
+        m.min(f"{name}/min", x)
+        m.max(f"{name}/max", x)
+    # k3 estimate of KL(q_old ‖ q) on the behaviour samples, per action token.
+    m.mean_of("approx_kl", torch.exp(d) - 1 - d)
+    m.sum("num_events", present.sum())
+    m.sum("num_members", b.event_index.numel())
+    m.sum("num_tokens", b.mask.sum())
+    m.mean_of("mean_set_size", b.set_sizes[present])
     if b.ref_kl is not None:
-        metrics["ref_kl"] = b.ref_kl.detach()[b.mask].mean() if d.numel() else empty
-    return metrics
+        m.mean_of("ref_kl", b.ref_kl.detach()[b.mask])
+    # Per set size K: how many events, and how far their set log-ratios spread (SRPO.md: a
+    # cardinality-normalised ratio keeps this from growing with K).
+    for k in torch.unique(sizes).tolist():
+        sel = sizes == k
+        m.sum(f"by_k/events/k{k}", sel.sum())
+        m.spread(f"by_k/set_log_ratio_std/k{k}", lr[sel])
+    return m
 
 
-def _clip_metrics(clipped_low, clipped_high, guard, unit_set_size) -> dict[str, torch.Tensor]:
-    """Clip fractions over the update units, in total and per set size K of the unit's event."""
+def _clip_metrics(clipped_low, clipped_high, guard, unit_set_size, unit_log_ratio) -> Metrics:
+    """Clip fractions over the update units, in total and per set size K of the unit's event, and
+    the spread per K of the log-ratio each unit is clipped on (all arguments (U,) over units)."""
     clipped = clipped_low | clipped_high
-    metrics = {
-        "clip_frac": clipped.float().mean() if clipped.numel() else torch.zeros(()),
-        "clip_frac_low": clipped_low.float().mean() if clipped.numel() else torch.zeros(()),
-        "clip_frac_high": clipped_high.float().mean() if clipped.numel() else torch.zeros(()),
-        "overflow_guard": guard.sum(),
-    }
+    n = clipped.numel()
+    m = Metrics()
+    m.ratio("clip_frac", clipped.sum(), n)
+    m.ratio("clip_frac_low", clipped_low.sum(), n)
+    m.ratio("clip_frac_high", clipped_high.sum(), n)
+    m.sum("overflow_guard", guard.sum())
+    unit_log_ratio = unit_log_ratio.detach()
     for k in torch.unique(unit_set_size).tolist():
         sel = unit_set_size == k
-        metrics[f"clip_frac/k{k}"] = clipped[sel].float().mean()
-        metrics[f"units/k{k}"] = sel.sum()
-    return metrics
+        m.ratio(f"by_k/clip_frac/k{k}", clipped[sel].sum(), sel.sum())
+        m.sum(f"by_k/units/k{k}", sel.sum())
+        m.spread(f"by_k/unit_log_ratio_std/k{k}", unit_log_ratio[sel])
+    return m
 
 
 def _add_kl(b: MemberBatch, pg_loss, metrics, kl_sum, denom, kl_coef):
@@ -283,8 +304,8 @@ def _add_kl(b: MemberBatch, pg_loss, metrics, kl_sum, denom, kl_coef):
     if b.ref_kl is not None and kl_coef:
         kl_loss = kl_sum() / denom
         loss = loss + kl_coef * kl_loss
-        metrics["loss/kl"] = kl_loss.detach()
-    metrics["loss/pg"] = pg_loss.detach()
+        metrics.per_step("loss/kl", kl_loss)
+    metrics.per_step("loss/pg", pg_loss)
     return loss, metrics
 
 
@@ -296,7 +317,9 @@ def _srpo_loss(b: MemberBatch, *, clip_low, clip_high, normalizer, kl_coef):
         b.set_log_ratio, b.advantages, clip_low, clip_high, b.max_log_ratio
     )  # (E,)
     denom = _as_normalizer(normalizer, present.sum(), loss_e)
-    metrics = {**_common_metrics(b), **_clip_metrics(lo[present], hi[present], guard[present], b.set_sizes[present])}
+    metrics = _common_metrics(b)
+    metrics.update_from(_clip_metrics(lo[present], hi[present], guard[present], b.event_k()[present],
+                                      b.set_log_ratio[present]))
     w = _tis_weight(b, "event", metrics)
     if w is not None:
         loss_e = loss_e * w
@@ -316,8 +339,10 @@ def _grpo_loss(b: MemberBatch, *, clip_low, clip_high, normalizer, kl_coef):
     loss_t, _, lo, hi, guard = _clipped_surrogate(b.token_log_ratio, adv, clip_low, clip_high, b.max_log_ratio)
     denom = _as_normalizer(normalizer, b.mask.sum(), loss_t)
     zero = torch.zeros_like(loss_t)
-    token_k = b.set_sizes[b.event_index].unsqueeze(1).expand_as(b.mask)
-    metrics = {**_common_metrics(b), **_clip_metrics(lo[b.mask], hi[b.mask], guard[b.mask], token_k[b.mask])}
+    token_k = b.member_k().unsqueeze(1).expand_as(b.mask)
+    metrics = _common_metrics(b)
+    metrics.update_from(_clip_metrics(lo[b.mask], hi[b.mask], guard[b.mask], token_k[b.mask],
+                                      b.token_log_ratio[b.mask]))
     w = _tis_weight(b, "token", metrics)
     if w is not None:
         loss_t = loss_t * w
@@ -332,7 +357,8 @@ def _gspo_loss(b: MemberBatch, *, clip_low, clip_high, normalizer, kl_coef):
     adv = b.advantages[b.event_index]
     loss_m, _, lo, hi, guard = _clipped_surrogate(seq_log_ratio, adv, clip_low, clip_high, b.max_log_ratio)
     denom = _as_normalizer(normalizer, torch.tensor(loss_m.numel(), device=loss_m.device), loss_m)
-    metrics = {**_common_metrics(b), **_clip_metrics(lo, hi, guard, b.set_sizes[b.event_index])}
+    metrics = _common_metrics(b)
+    metrics.update_from(_clip_metrics(lo, hi, guard, b.member_k(), seq_log_ratio))
     w = _tis_weight(b, "member", metrics)
     if w is not None:
         loss_m = loss_m * w
@@ -358,7 +384,8 @@ def policy_loss(
     max_log_ratio: float = 20.0,
     behaviour_logprobs: torch.Tensor | None = None,
     tis_cap: float | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    member_set_sizes: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Metrics]:
     """Compute a registered policy loss and its diagnostics.
 
     Args:
@@ -382,11 +409,18 @@ def policy_loss(
             ``tis_cap`` (C > 0), each unit's loss is weighted by min(π_old/π_beh, C), the ratio
             formed per update unit like the policy ratio (truncated importance sampling).
         tis_cap: C; ``None``/0 turns the correction off.
+        member_set_sizes: (M,) long, the set size K each member's by-K diagnostics are reported
+            under (default: its event's member count; pass the transition's K when K-events were
+            split into one-member events, as the member-level baselines do).
 
     Returns:
-        ``(loss, metrics)``: a scalar to minimise, and a dict of detached tensors (set log-ratio
-        and set ratio mean/min/max, clip fractions in total, low, high and per set size
-        ``clip_frac/k{K}``, ``approx_kl``, ``num_events``, ``overflow_guard``, ``loss/pg`` ...).
+        ``(loss, metrics)``: a scalar to minimise, and a :class:`~srpo.objective.metrics.Metrics`
+        (a dict of detached 0-d tensors, each recorded with how it combines across micro-batches
+        and ranks): set log-ratio and set ratio mean/min/max, clip fractions in total, low and
+        high, ``approx_kl``, ``num_events``, ``overflow_guard``, ``loss/pg``, and per set size K
+        ``by_k/clip_frac/k{K}``, ``by_k/units/k{K}``, ``by_k/events/k{K}``,
+        ``by_k/set_log_ratio_std/k{K}`` and ``by_k/unit_log_ratio_std/k{K}`` (the spread of the
+        log-ratio each update unit is clipped on).
     """
     _check_choice("loss", name, LOSSES)
     if clip_eps < 0 or (clip_eps_high is not None and clip_eps_high < 0):
@@ -404,5 +438,9 @@ def policy_loss(
             batch.mask, old_logprobs.to(logprobs.dtype) - behaviour_logprobs.to(logprobs.dtype),
             torch.zeros_like(logprobs))
         batch.tis_cap = float(tis_cap)
+    if member_set_sizes is not None:
+        if member_set_sizes.shape != event_index.shape:
+            raise ValueError(f"member_set_sizes must be (M,) like event_index; got {tuple(member_set_sizes.shape)}")
+        batch.member_set_sizes = member_set_sizes.to(event_index.device)
     clip_high = clip_eps if clip_eps_high is None else clip_eps_high
     return LOSSES[name](batch, clip_low=clip_eps, clip_high=clip_high, normalizer=normalizer, kl_coef=kl_coef)
