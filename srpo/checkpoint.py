@@ -40,6 +40,7 @@ STATE_FILE = "trainer_state.pt"
 STATE_JSON = "trainer_state.json"
 CONFIG_FILE = "config.json"
 MANIFEST = "manifest.json"
+BEST_FILE = "best.json"  # in checkpoints/: the best held-out evaluation (eval.every)
 FORMAT = 2
 TEMP_PREFIX = ".step_"
 
@@ -159,10 +160,22 @@ def save_checkpoint(run_dir: Path, step: int, policies, tensor_state: dict[str, 
         raise
     write_text_atomic(root / "latest", final.name)
     steps = sorted(p for p in root.glob("step_*") if p.is_dir())
+    best = best_checkpoint(run_dir)
     for old in steps[:-keep] if keep > 0 else []:
-        if old != final:
+        if old != final and old != best:  # the best evaluated checkpoint outlives the keep window
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def best_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint ``checkpoints/best.json`` names (the best held-out evaluation of a run
+    with ``eval.every``), if it is still there."""
+    root = Path(run_dir) / "checkpoints"
+    try:
+        name = json.loads((root / BEST_FILE).read_text())["checkpoint"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return root / name if (root / name).is_dir() else None
 
 
 # ------------------------------------------------------------------------------------ reading

@@ -49,24 +49,21 @@ def _maybe_init_distributed() -> None:
 
 
 def _parse_data(specs: list[str]):
-    """FILE, hub:ID, synthetic_arithmetic:level=2:n=100:seed=7 or synthetic_kb:n=50:seed=3."""
-    from srpo.config import DataSource
+    """Data sources of ``--data``: FILE, hub:ID, or a synthetic source with its fields as
+    ``key=value`` pairs after colons (synthetic_arithmetic:level=2:n=100:seed=7) — the values parsed
+    and checked like any config override, against :class:`~srpo.config.DataSource`'s fields."""
+    from srpo.config import ConfigError, DataSource, parse_overrides, parse_section
+    from srpo.tasks.kinds import synthetic_source
 
     sources = []
     for spec in [s for item in specs for s in item.split(",") if s]:
-        name, *params = spec.split(":") if spec.startswith("synthetic_") else (spec,)
-        src = DataSource(source=name)
-        for p in params:
-            key, _, value = p.partition("=")
-            if key not in ("level", "n", "seed"):
-                raise UsageError(f"--data {spec}: unknown parameter {key!r}; valid: level, n, seed")
-            try:
-                setattr(src, key, int(value))
-            except ValueError:
-                raise UsageError(f"--data {spec}: {key} must be an integer, got {value!r}") from None
-        if not name.startswith("synthetic_"):
-            src.n = 0
-        sources.append(src)
+        name, *params = spec.split(":") if synthetic_source(spec.split(":")[0]) else (spec,)
+        fields = {"source": name, **({} if synthetic_source(name) else {"n": 0})}
+        try:
+            fields.update(parse_overrides(params))
+            sources.append(parse_section(DataSource, fields, "--data"))
+        except ConfigError as err:
+            raise UsageError(f"--data {spec}: {str(err).removeprefix('--data.')}") from None
     return sources
 
 
@@ -111,25 +108,25 @@ def _checkpoint_for_eval(model: str) -> Path | None:
 def _eval(args) -> int:
     import torch
 
-    from srpo.checkpoint import CONFIG_FILE
-    from srpo.config import config_from_dict
-    from srpo.data import build_retriever, guess_kind, load_tasks, source_name
+    from srpo import build
+    from srpo.config import apply_overrides, config_from_dict
+    from srpo.data import guess_kind
     from srpo.evaluation import evaluate, markdown_table, write_results
-    from srpo.trainer import build_policy_set, build_workflow_from_config, role_specs_for
-    from srpo.workflows.builtins import SEARCH_WORKFLOWS
+    from srpo.workflows.builtins import WORKFLOWS
 
     sources = _parse_data(args.data)
     kind = args.kind
-    if kind is None and args.workflow in SEARCH_WORKFLOWS:
-        kind = "qa"
+    if kind is None and args.workflow and args.workflow in WORKFLOWS:
+        kind = WORKFLOWS[args.workflow].kind if WORKFLOWS.meta(args.workflow)["needs_retriever"] else None
     if kind is None:  # from the data: graded by the wrong kind, a dataset scores silently wrong
         kinds = {k for k in (guess_kind(s) for s in sources) if k}
         if len(kinds) > 1:
-            raise UsageError("--data mixes math and QA datasets; evaluate them separately, each with its --kind")
+            raise UsageError(f"--data mixes task kinds ({', '.join(sorted(kinds))}); evaluate them separately, "
+                             f"each with its --kind")
         kind = kinds.pop() if kinds else "math"
     checkpoint = _checkpoint_for_eval(args.model)
     if checkpoint is not None:  # a training checkpoint: rebuild its layout and load its weights
-        data = json.loads((checkpoint / CONFIG_FILE).read_text())
+        data = build.checkpoint_config(checkpoint)
         data["task"]["eval"] = []
     else:
         data = {"model": {"name": args.model, "layout": "shared"}}
@@ -142,8 +139,7 @@ def _eval(args) -> int:
             raise UsageError(f"--options {args.options!r}: not JSON ({err.msg})") from None
     data.setdefault("task", {})
     data["task"]["kind"] = kind
-    data["task"]["train"] = {"source": "synthetic_arithmetic" if kind == "math" else "synthetic_kb", "n": 1}
-    data["task"]["eval"] = [s.__dict__ for s in sources]
+    data["task"]["eval"] = [s.model_dump() for s in sources]
     if args.corpus:
         data["task"]["corpus"] = args.corpus
     if args.retriever_url:
@@ -151,17 +147,17 @@ def _eval(args) -> int:
         data["task"]["corpus"] = ""
     if args.max_new_tokens:
         data["workflow"]["max_new_tokens"] = args.max_new_tokens
-    cfg = config_from_dict(data)
+    apply_overrides(data, args.set)
+    cfg = config_from_dict(data, training=False)
     if args.threads:
         torch.set_num_threads(args.threads)
     # The data first: a bad dataset fails before a model loads.
-    datasets = {source_name(s): load_tasks(s, kind)[: args.n or None] for s in cfg.task.eval}
-    workflow = build_workflow_from_config(cfg, build_retriever(cfg))
-    policies = build_policy_set(cfg, workflow.roles())
+    datasets = build.eval_sets(cfg, n=args.n)
+    team = build.team(cfg)
     if checkpoint is not None:
-        policies.load_pretrained_weights(checkpoint / "model")
+        team.policies.load_pretrained_weights(checkpoint / "model")
         print(f"evaluating checkpoint {checkpoint}", file=sys.stderr)
-    results = evaluate(policies, workflow, role_specs_for(cfg, workflow), datasets, k=args.k,
+    results = evaluate(team.policies, team.workflow, team.role_specs, datasets, k=args.k,
                        temperature=args.temperature, seed=args.seed, progress=True)
     print(markdown_table(results, f"{args.model} — {cfg.workflow.name}"))
     if args.out:
@@ -254,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a workflow from a YAML config")
     p.add_argument("--config", required=True, help="YAML config (see configs/)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    p.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="override config fields: --set train.lr=1e-5 run.steps=50 (values are YAML)")
     p.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
     p.add_argument("--overwrite", action="store_true",
                    help="delete a previous run's metrics, samples, checkpoints and TensorBoard logs in run.output_dir")
@@ -266,8 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--options", default="", help='workflow options as JSON, e.g. \'{"num_workers": 3}\'')
     p.add_argument("--data", action="append", required=True,
                    help="FILE[,FILE...], hub:ID, synthetic_arithmetic:level=2:n=100:seed=7, synthetic_kb:n=50")
-    p.add_argument("--kind", choices=["math", "qa"], default=None,
-                   help="the grader (default: from the workflow, else from the data's rows)")
+    p.add_argument("--kind", default=None,
+                   help="the task kind that grades (math, qa, or a registered/import-path one; default: the "
+                        "search workflows' qa, else from the data's rows)")
+    p.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="override fields of the evaluation config (e.g. workflow.roles.aggregator.max_new_tokens=32)")
     p.add_argument("--corpus", default="", help="search workflows: corpus jsonl or synthetic_kb")
     p.add_argument("--retriever-url", default="", help="search workflows: a retrieval server instead of --corpus")
     p.add_argument("-k", type=_number(int, 1, "an integer ≥ 1"), default=16, help="samples per problem")

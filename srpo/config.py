@@ -1,29 +1,57 @@
-"""The run configuration: one dataclass per concern, loaded from YAML and validated up front.
+"""The run configuration: one pydantic model per concern, loaded from YAML and validated up front.
 
-Every field is documented where it is declared.  ``load_config`` rejects unknown keys, wrong
-types and impossible values with a message that names the field (``train.group_size``) and the
-valid values — before any model is loaded.  ``--set key=value`` overrides use the same paths.
+Why pydantic (v2) and not hand-written conversion or OmegaConf: the models give type checking,
+``extra="forbid"`` (a misspelt key is an error, not a silently ignored default) and the field
+documentation in one place — the docstring under each field is its description
+(``use_attribute_docstrings``), so ``srpo.config`` is the reference and a test checks that every
+field has one.  OmegaConf's structured configs would add interpolation we do not need and a second
+type system next to the dataclasses the rest of the code uses.
+
+``load_config`` rejects unknown keys, wrong types and impossible values with a message that names
+the field (``train.group_size``) and the valid values — before any model is loaded.  Overrides
+(``--set key=value ...``, a study's ``overrides``, the demo's) all use :func:`apply_overrides`.
+Choices that extensions can add to (workflows, methods, losses, task kinds, rewards) are checked
+against their registries (:mod:`srpo.registry`), so a name registered or given as an import path
+(``mypkg.teams:Debate``) validates like a built-in one.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
-import typing
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
-
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the field and what is valid."""
 
 
-@dataclass
-class RunConfig:
+def _yaml_number(value: Any) -> Any:
+    """YAML 1.1 reads ``1e-5`` (no dot) as a string; accept it as the number it spells."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+#: A finite number; an integer is accepted, a boolean is not.
+Float = Annotated[float, BeforeValidator(_yaml_number), Field(allow_inf_nan=False)]
+
+
+class Section(BaseModel):
+    """Base of every config section: strict types (``"3"`` is not an integer, ``yes`` is not a
+    number), unknown keys rejected, assignments validated, field docs from the docstrings."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True,
+                              use_attribute_docstrings=True, validate_default=False)
+
+
+class RunConfig(Section):
     output_dir: str = "runs/srpo"
     """Folder for metrics, TensorBoard logs, checkpoints and the report."""
     seed: int = 0
@@ -33,20 +61,22 @@ class RunConfig:
     threads: int = 0
     """torch CPU threads (0: leave torch's default)."""
     device: str = "cpu"
-    """cpu or cuda."""
+    """cpu or cuda (or cuda:N)."""
 
 
-@dataclass
-class LoraConfig:
+class LoraConfig(Section):
     r: int = 16
+    """LoRA rank of every adapter (model.layout: lora)."""
     alpha: int = 32
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+    """LoRA scaling numerator: the update is scaled by alpha / r."""
+    dropout: Float = 0.0
+    """Dropout on the adapter's input during the update's forward (sampling runs without it)."""
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                   "gate_proj", "up_proj", "down_proj"])
+    """Module names that get adapters (the Llama/Qwen projection names by default)."""
 
 
-@dataclass
-class ModelConfig:
+class ModelConfig(Section):
     name: str = "smollm2-135m"
     """A registered name (smollm2-135m, gemma3-270m, tiny-llama, tiny-qwen2), a local path or a hub id."""
     layout: str = "shared"
@@ -55,40 +85,49 @@ class ModelConfig:
     """Parameter dtype: float32, bfloat16 or float16."""
     autocast_bf16: bool = False
     """Run matmuls under bfloat16 autocast (float32 weights, optimizer state and log-softmax)."""
-    role_groups: dict[str, list[str]] = field(default_factory=dict)
+    role_groups: dict[str, list[str]] = Field(default_factory=dict)
     """lora/separate: policy id → roles it serves (default: one policy per role)."""
-    lora: LoraConfig = field(default_factory=LoraConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    """Adapter settings for model.layout: lora."""
 
 
-@dataclass
-class RoleOverride:
+class RoleOverride(Section):
     system: str | None = None
+    """This role's system prompt (None: workflow.system, else the workflow's default)."""
     template: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    """This role's user-message template with {input} (None: workflow.template, else {input})."""
+    temperature: Float | None = None
+    """This role's sampling temperature (None: workflow.temperature)."""
+    top_p: Float | None = None
+    """This role's nucleus-sampling mass in (0, 1] (None: 1.0)."""
     max_new_tokens: int | None = None
+    """This role's generation budget (None: workflow.max_new_tokens, or the workflow's own cap)."""
     stop: list[str] | None = None
+    """Strings that end this role's generation (None: the workflow's default stops)."""
 
 
-@dataclass
-class WorkflowConfig:
+class WorkflowConfig(Section):
     name: str = "single"
-    """single, solver_verifier, parallel_aggregate, routed, search, search_team."""
-    options: dict[str, Any] = field(default_factory=dict)
-    """Workflow options: num_workers, rounds, max_turns, top_k, num_searchers, fallback."""
+    """A registered workflow (single, solver_verifier, parallel_aggregate, routed, search,
+    search_team; ``srpo.registry.WORKFLOWS``) or an import path, e.g. ``mypkg.teams:Debate``."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """The workflow's own options (num_workers, rounds, max_turns, top_k, ...), checked against the
+    workflow's declared option fields."""
     max_new_tokens: int = 128
-    temperature: float = 1.0
+    """Tokens each role may generate per call (a role's override wins)."""
+    temperature: Float = 1.0
+    """Sampling temperature of every role during training (a role's override wins)."""
     system: str | None = None
     """Default system prompt of every role (None: the workflow's own; a role's override wins)."""
     template: str | None = None
     """Default user-message template of every role, with {input} (a role's override wins)."""
-    roles: dict[str, RoleOverride] = field(default_factory=dict)
+    roles: dict[str, RoleOverride] = Field(default_factory=dict)
     """Per-role overrides of system prompt, template and sampling."""
     max_prompt_tokens: int = 2048
+    """Longest prompt a role may be given; a longer one fails that member (its event is dropped)."""
 
 
-@dataclass
-class DataSource:
+class DataSource(Section):
     source: str = "synthetic_arithmetic"
     """synthetic_arithmetic, synthetic_kb, a jsonl/parquet file path, or hub:<dataset id>."""
     name: str = ""
@@ -103,54 +142,71 @@ class DataSource:
     """hub datasets: the split."""
     skip_bad_rows: bool = False
     """Skip (and count) rows without a question or answer instead of failing."""
-    fields: dict[str, str] = field(default_factory=dict)
+    fields: dict[str, str] = Field(default_factory=dict)
     """Rename a dataset's columns to ours, e.g. {question: prompt, answer: solution}."""
 
 
-@dataclass
-class TaskConfig:
+class TaskConfig(Section):
     kind: str = "math"
-    """math or qa."""
-    train: DataSource = field(default_factory=DataSource)
-    eval: list[DataSource] = field(default_factory=list)
+    """A registered task kind (math, qa; ``srpo.registry.TASK_KINDS``) or an import path: it
+    decides how data rows load, how answers are extracted and graded, and the default prompts."""
+    train: DataSource = Field(default_factory=DataSource)
+    """The training problems."""
+    eval: list[DataSource] = Field(default_factory=list)
+    """Held-out sets evaluated every eval.every steps (and by ``srpo eval`` of the run)."""
     corpus: str = ""
     """Search workflows: a corpus jsonl path, or 'synthetic_kb' (uses the train source's KB)."""
     reward: str = "exact"
-    """The training reward: exact (1/0 correctness; math or QA exact match) or f1 (QA only: token F1
-    of the answer, a graded signal for models that rarely match exactly).  Evaluation always
-    reports exact-match accuracy (and, for QA, mean F1 too)."""
+    """The training reward, one of the task kind's rewards (math: exact; qa: exact or f1, token F1
+    of the answer, a graded signal for models that rarely match exactly) or an import path to
+    ``fn(task, answer) -> float``.  Evaluation always reports exact-match accuracy (and, for QA,
+    mean F1 too)."""
 
 
-@dataclass
-class MethodConfig:
+class MethodConfig(Section):
     name: str = "srpo"
-    """srpo, grpo, gspo, dr_mas, at_grpo."""
+    """srpo, grpo, gspo, dr_mas, at_grpo (``srpo.registry.METHODS``): which loss, and which events
+    share an advantage group."""
+    loss: str = ""
+    """Replace the method's loss with another registered loss or an import path to one decorated
+    with ``@register_loss(..., unit=...)`` ('' : the method's own)."""
     set_reduction: str = "sqrt"
+    """c(K) of SRPO's set log-ratio: sqrt (1/√K, the default), sum (1) or mean (1/K)."""
     member_reduction: str = "sum"
-    clip_eps: float = 0.2
-    clip_eps_high: float | None = None
-    kl_coef: float = 0.0
+    """How a member's token log-ratios combine: sum (the sequence log-ratio) or mean."""
+    clip_eps: Float = 0.2
+    """ε_low: each update unit's ratio is clipped to [1 − ε_low, 1 + ε_high]."""
+    clip_eps_high: Float | None = None
+    """ε_high (None: clip_eps; set it higher for DAPO-style clip-higher)."""
+    kl_coef: Float = 0.0
+    """Weight of a k3 KL penalty to the frozen starting model (0: no reference model is kept)."""
     advantage_scale: str = "std"
-    """std or none."""
+    """std (group-relative advantages divided by the group's std) or none (only centred)."""
 
 
-@dataclass
-class TrainConfig:
+class TrainConfig(Section):
     tasks_per_step: int = 2
+    """Tasks per step (each rolled out group_size times)."""
     group_size: int = 8
     """G: episodes per task; advantages compare the events of these episodes."""
     epochs: int = 1
+    """Passes over each rollout batch (each pass is `minibatches` optimizer steps)."""
     minibatches: int = 1
     """Optimizer steps per epoch (event-atomic mini-batches)."""
     microbatches: int = 1
     """Gradient-accumulation chunks per mini-batch (event-atomic)."""
     optimizer: str = "adamw"
     """adamw or sgd (plain SGD makes update-equality tests exact)."""
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    lr: Float = 1e-5
+    """Peak learning rate (after warmup_steps of linear warmup; constant after)."""
+    weight_decay: Float = 0.0
+    """Decoupled weight decay (AdamW) or L2 (SGD)."""
+    betas: list[Float] = Field(default_factory=lambda: [0.9, 0.999])
+    """Adam's two decay rates, each in [0, 1)."""
     warmup_steps: int = 0
-    max_grad_norm: float = 1.0
+    """Training steps over which the learning rate rises linearly to lr."""
+    max_grad_norm: Float = 1.0
+    """Clip each policy's gradient to this global norm (0: no clipping)."""
     parallel: str = "ddp"
     """Under torchrun: ddp (every rank holds the whole model; gradients summed across ranks) or
     fsdp (FSDP2: parameters, gradients and optimizer state sharded per decoder layer; layouts
@@ -158,7 +214,7 @@ class TrainConfig:
     process."""
     old_logprobs: str = "recompute"
     """recompute (one no-grad forward before the update) or behaviour (use the sampler's)."""
-    tis_cap: float = 0.0
+    tis_cap: Float = 0.0
     """Truncated importance sampling of the sampler/trainer mismatch: each update unit's loss is
     weighted by min(π_old/π_behaviour, tis_cap), the ratio formed per unit like the policy ratio
     (0: off; typical 2).  For an inference engine whose log-probs differ from the trainer's; needs
@@ -182,9 +238,8 @@ class TrainConfig:
     the events that were forwarded; ``update/zero_advantage_skipped`` counts the others."""
 
 
-@dataclass
-class LogConfig:
-    backends: list[str] = field(default_factory=lambda: ["tensorboard"])
+class LogConfig(Section):
+    backends: list[str] = Field(default_factory=lambda: ["tensorboard"])
     """Experiment trackers, any subset of tensorboard, wandb, mlflow, trackio (each but tensorboard
     an optional extra: pip install 'srpo[wandb]', 'srpo[mlflow]', 'srpo[trackio]'); see srpo.trackers."""
     tensorboard: bool = True
@@ -204,124 +259,138 @@ class LogConfig:
         return [b for b in self.backends if self.tensorboard or b != "tensorboard"]
 
 
-@dataclass
-class CheckpointConfig:
+class CheckpointConfig(Section):
     every: int = 10
     """Steps between checkpoints (0: only at the end)."""
     keep: int = 2
+    """Newest checkpoints kept (older ones are deleted; the best one of eval.every is kept too)."""
 
 
-@dataclass
-class EvalConfig:
+class EvalConfig(Section):
     k: int = 4
     """Samples per problem (avg@k, pass@k)."""
     n: int = 50
-    """Problems per eval dataset (0: all)."""
-    temperature: float = 1.0
+    """Problems per task.eval dataset during training (0: all)."""
+    temperature: Float = 1.0
+    """Sampling temperature of every role during evaluation."""
     every: int = 0
-    """Evaluate every this many steps during training (0: never)."""
+    """Evaluate every task.eval dataset every this many steps during training, and after the last
+    step (0: never).  Results go to metrics.jsonl as eval/<dataset>/avg@k ..., to the trackers and
+    to ``srpo report``; the step with the best macro avg@k is checkpointed and named in
+    checkpoints/best.json."""
 
 
-@dataclass
-class RolloutConfig:
+class RolloutConfig(Section):
     engine: str = "hf"
     """hf (srpo's own sampler on the training weights) or vllm (a colocated vLLM engine, weights
     synced after each step's optimizer steps, before the next rollout; pip install vllm — see
     docs/scaling.md)."""
-    gpu_memory_utilization: float = 0.3
+    gpu_memory_utilization: Float = 0.3
     """vllm: the fraction of GPU memory (on CPU: of system memory) the engine reserves."""
     max_model_len: int = 0
     """vllm: longest prompt + completion (0: workflow.max_prompt_tokens + workflow.max_new_tokens)."""
 
 
-@dataclass
-class RetrieverConfig:
+class RetrieverConfig(Section):
     url: str = ""
     """A Search-R1-compatible retrieval server (``srpo retriever serve``, or an e5/FAISS one), e.g.
     http://127.0.0.1:8000/retrieve; replaces ``task.corpus`` for the search workflows."""
-    timeout_s: float = 5.0
+    timeout_s: Float = 5.0
     """Per request; a timed-out request is retried."""
     retries: int = 2
     """Further tries of a failed request before the tool call fails (counted; the episode goes on)."""
 
 
-@dataclass
-class Config:
-    run: RunConfig = field(default_factory=RunConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
-    method: MethodConfig = field(default_factory=MethodConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    log: LogConfig = field(default_factory=LogConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+class Config(Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    """Where the run writes, its seed and length."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """Which model, and how roles map onto weights."""
+    workflow: WorkflowConfig = Field(default_factory=WorkflowConfig)
+    """The multi-agent workflow, its options and prompts."""
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    """Training and evaluation data, the task kind and the reward."""
+    method: MethodConfig = Field(default_factory=MethodConfig)
+    """The RL method (loss and advantage grouping)."""
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    """Batch sizes, optimizer and update schedule."""
+    log: LogConfig = Field(default_factory=LogConfig)
+    """Trackers and sample logging."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Checkpoint frequency and retention."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Evaluation during training and its sampling."""
+    retriever: RetrieverConfig = Field(default_factory=RetrieverConfig)
+    """A retrieval server for the search workflows."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """The rollout engine."""
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return self.model_dump()
 
 
 # ------------------------------------------------------------------------------- building
 
 
-def _build(cls, data: Any, path: str):
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(names))
-    if unknown:
-        raise ConfigError(f"{path + '.' if path else ''}{unknown[0]}: unknown key; valid keys: {', '.join(names)}")
-    kwargs = {k: _convert(hints[k], v, f"{path}.{k}" if path else k) for k, v in data.items()}
-    return cls(**kwargs)
+def _where(loc: tuple) -> str:
+    """pydantic's error location as our dotted path: ``task.eval[0].n``."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
 
 
-def _convert(tp, value, path):
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        if value is None and type(None) in args:
+def _section_at(loc: tuple) -> type[BaseModel] | None:
+    """The config model that holds the key at ``loc`` (for listing its valid keys)."""
+    import typing
+
+    cls: Any = Config
+    for part in loc[:-1]:
+        if isinstance(part, int) or not (isinstance(cls, type) and issubclass(cls, BaseModel)):
+            continue
+        field = cls.model_fields.get(part)
+        if field is None:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _convert(inner, value, path)
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, path)
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{path}: expected a list, got {value!r}")
-        return [_convert(args[0], v, f"{path}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
-        return {str(k): _convert(args[1], v, f"{path}.{k}") for k, v in value.items()}
-    if tp is Any:
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{path}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                raise ConfigError(f"{path}: expected a number, got {value!r}") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path}: expected a number, got {value!r}")
-        if not math.isfinite(value):  # .inf/.nan parse as numbers, and no field means them
-            raise ConfigError(f"{path}: expected a finite number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{path}: expected a string, got {value!r}")
-        return value
-    return value
+        ann = field.annotation
+        while typing.get_origin(ann) is not None:  # list[X], dict[str, X], X | None → X
+            args = [a for a in typing.get_args(ann) if a is not type(None)]
+            ann = args[-1] if args else None
+        cls = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else cls
+        if cls is not ann:
+            return None
+    return cls if isinstance(cls, type) and issubclass(cls, BaseModel) else None
+
+
+_EXPECTED = {
+    "int_type": "an integer", "int_from_float": "an integer", "float_type": "a number",
+    "finite_number": "a finite number", "bool_type": "true or false", "string_type": "a string",
+    "list_type": "a list", "dict_type": "a mapping", "model_type": "a mapping",
+    "model_attributes_type": "a mapping",
+}
+
+
+def _explain(err: ValidationError, prefix: tuple = ()) -> str:
+    """The first problem of a pydantic error, worded like every other config error."""
+    e = err.errors(include_url=False)[0]
+    loc = prefix + tuple(e["loc"])
+    where = _where(loc) or "config"
+    if e["type"] == "extra_forbidden":
+        section = _section_at(loc)
+        valid = f"; valid keys: {', '.join(section.model_fields)}" if section else ""
+        return f"{where}: unknown key{valid}"
+    if e["type"] in _EXPECTED:
+        return f"{where}: expected {_EXPECTED[e['type']]}, got {e['input']!r}"
+    return f"{where}: {e['msg']} (got {e.get('input')!r})"
+
+
+def parse_section(cls: type[BaseModel], data: Any, where: str = ""):
+    """``cls`` validated from ``data``, a pydantic error turned into one :class:`ConfigError`."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
+    try:
+        return cls.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_explain(err, tuple(where.split(".")) if where else ())) from None
 
 
 def _choice(path, value, valid):
@@ -336,24 +405,33 @@ def _positive(path, value, allow_zero=False):
         raise ConfigError(f"{path}: must be {'≥ 0' if allow_zero else '> 0'}, got {value}")
 
 
-TRAIN_REWARDS = ("exact", "f1")
-
-
-def validate(cfg: Config) -> Config:
+def validate(cfg: Config, *, training: bool = True) -> Config:
     """Check values and their combinations; raise :class:`ConfigError` naming the field."""
     from srpo.methods import METHODS
-    from srpo.objective import MEMBER_REDUCTIONS, SET_REDUCTIONS, ADVANTAGE_SCALES
+    from srpo.objective import ADVANTAGE_SCALES, LOSSES, MEMBER_REDUCTIONS, SET_REDUCTIONS
     from srpo.policies.layouts import LAYOUTS
-    from srpo.workflows.builtins import SEARCH_WORKFLOWS, WORKFLOWS, build_workflow
+    from srpo.registry import RegistryError
+    from srpo.tasks.kinds import TASK_KINDS, task_kind
+    from srpo.workflows.builtins import WORKFLOWS, build_workflow, needs_retriever
 
     _choice("model.layout", cfg.model.layout, LAYOUTS)
     _choice("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16"))
-    _choice("workflow.name", cfg.workflow.name, sorted(WORKFLOWS))
-    _choice("task.kind", cfg.task.kind, ("math", "qa"))
-    _choice("task.reward", cfg.task.reward, TRAIN_REWARDS)
-    if cfg.task.reward == "f1" and cfg.task.kind != "qa":
-        raise ConfigError("task.reward: f1 is a QA reward but task.kind is 'math' (use exact)")
-    _choice("method.name", cfg.method.name, sorted(METHODS))
+    for path, name, registry in (("workflow.name", cfg.workflow.name, WORKFLOWS),
+                                 ("task.kind", cfg.task.kind, TASK_KINDS), ("method.name", cfg.method.name, METHODS)):
+        try:
+            registry.resolve(name)
+        except RegistryError as err:
+            raise ConfigError(f"{path}: {err}") from None
+    if cfg.method.loss:
+        try:
+            LOSSES.resolve(cfg.method.loss)
+        except RegistryError as err:
+            raise ConfigError(f"method.loss: {err}") from None
+    kind = task_kind(cfg.task.kind)
+    try:
+        kind.reward(cfg.task.reward)
+    except RegistryError as err:
+        raise ConfigError(f"task.reward: {err}") from None
     _choice("method.set_reduction", cfg.method.set_reduction, SET_REDUCTIONS)
     _choice("method.member_reduction", cfg.method.member_reduction, MEMBER_REDUCTIONS)
     _choice("method.advantage_scale", cfg.method.advantage_scale, ADVANTAGE_SCALES)
@@ -414,19 +492,11 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"train.group_size: a group-relative method needs G ≥ 2 episodes per task, got "
                           f"{cfg.train.group_size}")
     opts = dict(cfg.workflow.options)
-    for key in ("num_workers", "num_searchers", "rounds", "max_turns", "top_k", "max_chosen"):
-        if key in opts and (not isinstance(opts[key], int) or isinstance(opts[key], bool) or opts[key] < 1):
-            raise ConfigError(f"workflow.options.{key}: must be a positive integer, got {opts[key]!r}")
-    if "k" in opts:
-        raise ConfigError("workflow.options.k: set sizes follow from num_workers/num_searchers, not from k")
-    if opts.get("max_chosen", 0) > opts.get("num_workers", 3):
-        raise ConfigError(f"workflow.options.max_chosen: {opts['max_chosen']} is larger than num_workers "
-                          f"({opts.get('num_workers', 3)}); a router cannot run more workers than exist")
-    try:
-        workflow = build_workflow(cfg.workflow.name, **opts)
+    try:  # the workflow checks its own options against its declared option fields
+        workflow = build_workflow(cfg.workflow.name, kind=kind.name, **opts)
     except (TypeError, ValueError) as err:
-        raise ConfigError(f"workflow.options: {err}") from None
-    if cfg.workflow.name in SEARCH_WORKFLOWS and not cfg.task.corpus and not cfg.retriever.url:
+        raise ConfigError(f"workflow.options.{err}" if str(err).split(":")[0] in opts else f"workflow.options: {err}") from None
+    if needs_retriever(cfg.workflow.name) and not cfg.task.corpus and not cfg.retriever.url:
         raise ConfigError(f"task.corpus: the {cfg.workflow.name} workflow needs a corpus (a jsonl path or synthetic_kb) "
                           f"or a retrieval server (retriever.url)")
     if cfg.task.corpus and cfg.retriever.url:
@@ -451,22 +521,27 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"model.role_groups: roles {sorted(missing)} belong to no group")
         if len(grouped) != len(set(grouped)):
             raise ConfigError("model.role_groups: a role appears in two groups")
-    for i, src in enumerate([cfg.task.train, *cfg.task.eval]):
-        path = "task.train" if i == 0 else f"task.eval[{i - 1}]"
-        _check_source(path, src, cfg.task.kind)
+    sources = [("task.train", cfg.task.train)] if training else []
+    for i, src in enumerate(cfg.task.eval):
+        sources.append((f"task.eval[{i}]", src))
+    for path, src in sources:
+        _check_source(path, src, kind.name)
+    _positive("eval.n", cfg.eval.n, allow_zero=True)
+    _positive("eval.every", cfg.eval.every, allow_zero=True)
+    if cfg.eval.every and not cfg.task.eval:
+        raise ConfigError("eval.every: evaluation during training needs held-out sets in task.eval")
     return cfg
 
 
 def _check_source(path: str, src: DataSource, kind: str) -> None:
-    if src.source == "synthetic_arithmetic":
-        if kind != "math":
-            raise ConfigError(f"{path}.source: synthetic_arithmetic is a math source but task.kind is {kind!r}")
-        if src.level not in range(0, 6):
+    from srpo.tasks.kinds import synthetic_source
+
+    generator = synthetic_source(src.source)
+    if generator is not None:
+        if generator.name != kind:
+            raise ConfigError(f"{path}.source: {src.source} is a {generator.name} source but task.kind is {kind!r}")
+        if src.source == "synthetic_arithmetic" and src.level not in range(0, 6):
             raise ConfigError(f"{path}.level: must be 0-5, got {src.level}")
-        _positive(f"{path}.n", src.n)
-    elif src.source == "synthetic_kb":
-        if kind != "qa":
-            raise ConfigError(f"{path}.source: synthetic_kb is a qa source but task.kind is {kind!r}")
         _positive(f"{path}.n", src.n)
     elif src.source.startswith("hub:"):
         pass
@@ -479,24 +554,45 @@ def _check_source(path: str, src: DataSource, kind: str) -> None:
             raise ConfigError(f"{path}.source: {src.source!r} must be .jsonl or .parquet")
 
 
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """Apply ``a.b.c=value`` strings (values parsed as YAML) to a nested dict."""
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"--set {item!r}: expected key=value")
-        key, raw = item.split("=", 1)
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["a.b=1", "c=[x, y]"]`` → ``{"a.b": 1, "c": ["x", "y"]}`` (each value parsed as YAML)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. train.lr=1e-5")
+        try:
+            out[key.strip()] = yaml.safe_load(raw)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({err.problem})") from None
+    return out
+
+
+def apply_overrides(data: dict, overrides: "list[str] | dict[str, Any]") -> dict:
+    """Set dotted keys in a nested config dict: the one override syntax of ``srpo train --set``,
+    a study's ``overrides``/``set`` and the demo.
+
+    ``overrides``: ``key=value`` strings (values parsed as YAML), or a mapping of dotted keys to
+    values already parsed.  A value replaces what was there (a mapping value replaces the whole
+    section below its key).  Returns ``data`` (changed in place).
+    """
+    pairs = parse_overrides(overrides) if isinstance(overrides, list) else dict(overrides)
+    for key, value in pairs.items():
         node = data
-        parts = key.strip().split(".")
+        parts = key.split(".")
         for part in parts[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"--set {key}: {part} is not a section")
-        node[parts[-1]] = yaml.safe_load(raw)
+                raise ConfigError(f"override {key}: {part} is not a section")
+        node[parts[-1]] = value
     return data
 
 
-def config_from_dict(data: dict) -> Config:
-    return validate(_build(Config, data or {}, ""))
+def config_from_dict(data: dict, *, training: bool = True) -> Config:
+    """A validated :class:`Config` from a plain dict (unknown keys, types and values checked).
+
+    ``training=False`` (``srpo eval``) skips what only training needs: the training data source."""
+    return validate(parse_section(Config, data or {}), training=training)
 
 
 def _deep_merge(base: dict, top: dict) -> dict:

@@ -7,8 +7,9 @@ from pathlib import Path
 
 from srpo.config import Config, DataSource
 from srpo.tasks.base import DatasetError, Task
-from srpo.tasks.math import load_math_file, synthetic_arithmetic
-from srpo.tasks.search import BM25Retriever, Passage, load_corpus, load_qa, synthetic_kb
+from srpo.tasks.kinds import TASK_KINDS, synthetic_source
+from srpo.tasks.kinds import task_kind as get_kind
+from srpo.tasks.search import BM25Retriever, Passage, load_corpus, synthetic_kb
 
 
 def epoch_order(num_tasks: int, seed: int, epoch: int) -> list[int]:
@@ -38,77 +39,33 @@ def _hub_rows(src: DataSource):
 
 
 def load_tasks(src: DataSource, kind: str) -> list[Task]:
-    """The tasks of one data source (validated; bad rows fail or are skipped and counted)."""
-    limit = src.n or None
-    if src.source == "synthetic_arithmetic":
-        return synthetic_arithmetic(src.n, level=src.level, seed=src.seed, prefix="arith")
-    if src.source == "synthetic_kb":
-        return synthetic_kb(src.n, seed=src.seed)[1]
+    """The tasks of one data source for the task kind ``kind`` (a registered name or import
+    path); rows are validated (bad rows fail, or are skipped and counted)."""
+    task_kind = get_kind(kind)
+    generator = synthetic_source(src.source)
+    if generator is not None:
+        if generator.name != task_kind.name:
+            raise DatasetError(f"{src.source} is a {generator.name} source but task.kind is {task_kind.name!r}")
+        return generator.synthetic[src.source](src)[0]
     rows = _hub_rows(src) if src.source.startswith("hub:") else None
     if src.fields:
         from srpo.tasks.base import read_rows
 
         rename = {theirs: ours for ours, theirs in src.fields.items()}
         rows = ((n, {rename.get(k, k): v for k, v in row.items()}) for n, row in (rows or read_rows(src.source)))
-    loader = load_math_file if kind == "math" else load_qa
-    tasks, _ = loader(src.source, skip_bad_rows=src.skip_bad_rows, limit=limit, rows=rows)
+    tasks, _ = task_kind.load_file(src.source, skip_bad_rows=src.skip_bad_rows, limit=src.n or None, rows=rows)
     name = source_name(src)
-    check_kind_fits(tasks, kind, src.source)
+    if task_kind.check_fits is not None:
+        task_kind.check_fits(tasks, src.source)
     return [Task(t.task_id, t.question, t.answers, t.kind, name, t.meta) for t in tasks]
 
 
-# ------------------------------------------------------------------ which grader fits a dataset
-
-_MATH_MARKS = set("0123456789\\^_{}$=+-*/<>()[]|.,:;!%")
-
-
-def _worked_solution(gold: str) -> bool:
-    """A GSM8K-style solution (``#### N``) or a long derivation: not a QA answer."""
-    return "####" in gold or len(gold.split()) > 30
-
-
-def _prose(gold: str) -> bool:
-    """Words without a digit or a math mark, e.g. 'Kauffman Stadium': not a math answer."""
-    letters = sum(c.isalpha() for c in gold)
-    return letters >= 2 and not any(c in _MATH_MARKS for c in gold)
-
-
-def check_kind_fits(tasks: list[Task], kind: str, source: str, sample: int = 200) -> None:
-    """Refuse a dataset whose gold answers do not fit ``kind``'s grader.
-
-    Graded by the wrong kind, a dataset scores silently wrong: a QA set under the math grader
-    compares text answers as math, GSM8K under the QA grader takes the whole worked solution as
-    the gold answer and everything scores 0.  Decided on the majority of the first ``sample``
-    tasks, so a few odd answers (MATH's word answers) do not trip it.
-    """
-    golds = [t.answers[0] for t in tasks[:sample] if t.answers]
-    if not golds:
-        return
-    if kind == "qa":
-        bad = [g for g in golds if _worked_solution(g)]
-        if 2 * len(bad) > len(golds):
-            raise DatasetError(
-                f"{source}: looks like a math dataset, not QA — {len(bad)} of the first {len(golds)} answers are "
-                f"worked solutions (e.g. {_short(bad[0])!r}); use task.kind: math (srpo eval: --kind math)")
-    else:
-        bad = [g for g in golds if _prose(g)]
-        if 2 * len(bad) > len(golds):
-            raise DatasetError(
-                f"{source}: looks like a QA dataset, not math — {len(bad)} of the first {len(golds)} gold answers are "
-                f"plain words (e.g. {_short(bad[0])!r}); use task.kind: qa (srpo eval: --kind qa)")
-
-
-def _short(text: str, n: int = 60) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= n else text[: n - 1] + "…"
-
-
 def guess_kind(src: DataSource) -> str | None:
-    """``math`` or ``qa`` from a data file's rows (None for synthetic or hub sources)."""
-    if src.source == "synthetic_arithmetic":
-        return "math"
-    if src.source == "synthetic_kb":
-        return "qa"
+    """The registered task kind a source's rows look like (None for hub sources, or when no
+    kind recognizes them)."""
+    generator = synthetic_source(src.source)
+    if generator is not None:
+        return generator.name
     if src.source.startswith("hub:"):
         return None
     from srpo.tasks.base import read_rows
@@ -119,14 +76,10 @@ def guess_kind(src: DataSource) -> str | None:
         rows.append({rename.get(k, k): v for k, v in row.items()})
         if len(rows) >= 50:
             break
-    if any(k in rows[0] for k in ("golden_answers", "answers", "question_text", "answers_objects")):
-        return "qa"
-    if "problem" in rows[0]:
-        return "math"
-    answers = [str(r.get("answer", "")) for r in rows if r.get("answer") is not None]
-    if answers and 2 * sum(_prose(a) for a in answers) > len(answers):
-        return "qa"
-    return "math"
+    for name in TASK_KINDS.names():
+        if TASK_KINDS[name].recognizes is not None and TASK_KINDS[name].recognizes(rows):
+            return name
+    return None
 
 
 def build_retriever(cfg: Config):
@@ -138,13 +91,13 @@ def build_retriever(cfg: Config):
         return HTTPRetriever(cfg.retriever.url, timeout_s=cfg.retriever.timeout_s, retries=cfg.retriever.retries)
     if not cfg.task.corpus:
         return None
-    if cfg.task.corpus == "synthetic_kb":
+    if synthetic_source(cfg.task.corpus) is not None:  # the passages a synthetic source's answers live in
         passages: list[Passage] = []
         for src in [cfg.task.train, *cfg.task.eval]:
-            if src.source == "synthetic_kb":
-                passages += synthetic_kb(src.n, seed=src.seed)[0]
+            if src.source == cfg.task.corpus:
+                passages += synthetic_source(src.source).synthetic[src.source](src)[1]
         if not passages:
-            raise DatasetError("task.corpus is synthetic_kb but no data source is synthetic_kb")
+            raise DatasetError(f"task.corpus is {cfg.task.corpus} but no data source is {cfg.task.corpus}")
         return BM25Retriever(passages)
     return BM25Retriever(load_corpus(cfg.task.corpus))
 

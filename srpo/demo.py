@@ -12,7 +12,9 @@ import math
 import time
 from pathlib import Path
 
-from srpo.config import config_from_dict
+import copy
+
+from srpo.config import apply_overrides, config_from_dict
 
 DEMO_CONFIG = {
     "run": {"output_dir": "runs/demo", "seed": 0, "steps": 25, "threads": 0},
@@ -33,21 +35,17 @@ DEMO_CONFIG = {
 
 
 def run_demo(output_dir: str | None = None, steps: int | None = None, overrides: dict | None = None) -> dict:
+    """``overrides``: dotted keys → values, as ``srpo train --set`` takes them."""
     import torch
 
-    from srpo.data import load_tasks
+    from srpo import build
     from srpo.evaluation import evaluate, write_results
     from srpo.report import write_summary
     from srpo.trainer import Trainer
 
-    data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in DEMO_CONFIG.items()}
-    if output_dir:
-        data["run"]["output_dir"] = output_dir
-    if steps:
-        data["run"]["steps"] = steps
-    for key, value in (overrides or {}).items():
-        section, field = key.split(".", 1)
-        data[section][field] = value
+    data = copy.deepcopy(DEMO_CONFIG)
+    apply_overrides(data, {**({"run.output_dir": output_dir} if output_dir else {}),
+                           **({"run.steps": steps} if steps else {}), **(overrides or {})})
     cfg = config_from_dict(data)
     run_dir = Path(cfg.run.output_dir)
     started = time.perf_counter()
@@ -56,7 +54,7 @@ def run_demo(output_dir: str | None = None, steps: int | None = None, overrides:
           f"torch threads {torch.get_num_threads()}")
     print("loading the model (the first run converts the GGUF once, ~30 s) ...", flush=True)
     trainer = Trainer(cfg, overwrite=True)  # the demo replaces its previous run in the folder
-    held_out = {cfg.task.eval[0].name: load_tasks(cfg.task.eval[0], cfg.task.kind)}
+    held_out = build.eval_sets(cfg, cfg.task.eval[:1], n=0)
 
     def run_eval(stem, title):
         with trainer.autocast():

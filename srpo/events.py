@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from srpo.objective import UPDATE_UNITS
+from srpo.objective import LOSSES, update_unit
 
 
 @dataclass
@@ -107,9 +107,10 @@ def validate_events(events: list[Event]) -> tuple[list[Event], int]:
 
 def global_normalizer(events: list[Event], loss: str) -> int:
     """How many update units of ``loss`` the events hold (events, members or action tokens)."""
-    if loss not in UPDATE_UNITS:
-        raise ValueError(f"unknown loss {loss!r}; valid: {', '.join(sorted(UPDATE_UNITS))}")
-    return sum(e.count_units(UPDATE_UNITS[loss]) for e in events)
+    if loss not in LOSSES:
+        raise ValueError(f"unknown loss {loss!r}; valid: {', '.join(LOSSES.names())}")
+    unit = update_unit(loss)
+    return sum(e.count_units(unit) for e in events)
 
 
 def _balanced_partition(events: list[Event], parts: int) -> list[list[Event]]:
@@ -138,6 +139,9 @@ def split_minibatches(events: list[Event], num_minibatches: int, loss: str) -> t
 
 def shard_events(events: list[Event], rank: int, world: int, loss: str) -> tuple[list[Event], int]:
     """This rank's event-atomic shard of the step's events and the global normaliser.
+
+    Not used by the trainer, which deals *tasks* to ranks before the rollout; the tests' data-
+    parallel workers use it to give ranks disjoint shares of one batch.
 
     Every rank must call it with the same list (same order) to get a disjoint, complete cover.
     """

@@ -19,23 +19,50 @@ from dataclasses import dataclass
 import torch
 
 from srpo.events import Event
-from srpo.objective import group_advantages
+from srpo.objective import LOSSES, group_advantages
+from srpo.registry import Registry
+
+
+GROUP_FIELDS = ("task", "event_type", "turn", "role")
 
 
 @dataclass(frozen=True)
 class Method:
+    """A method: the registered ``loss`` it optimises, the fields of :data:`GROUP_FIELDS` whose
+    equal values put events in one advantage group, and whether K-events are split into one-member
+    events first (member-level baselines)."""
+
     loss: str
-    group_by: tuple[str, ...]  # fields of (task, event_type, turn, role)
+    group_by: tuple[str, ...]
     per_member: bool = False
 
+    def __post_init__(self):
+        bad = [f for f in self.group_by if f not in GROUP_FIELDS]
+        if bad:
+            raise ValueError(f"group_by field {bad[0]!r} is not valid; valid: {', '.join(GROUP_FIELDS)}")
 
-METHODS = {
-    "srpo": Method("srpo", ("task", "event_type", "turn")),
-    "grpo": Method("grpo", ("task", "event_type", "turn")),
-    "gspo": Method("gspo", ("task", "event_type", "turn")),
-    "dr_mas": Method("grpo", ("task", "role"), per_member=True),
-    "at_grpo": Method("grpo", ("task", "role", "turn"), per_member=True),
-}
+
+def _adopt_method(obj) -> dict:
+    if not isinstance(obj, Method):
+        raise TypeError("expected an srpo.methods.Method(loss, group_by, per_member)")
+    return {}
+
+
+#: name → :class:`Method`.  Add one with :func:`register_method`, or name one by import path.
+METHODS: Registry[Method] = Registry("method", adopt=_adopt_method)
+
+
+def register_method(name: str, method: Method) -> Method:
+    if method.loss not in LOSSES:
+        raise ValueError(f"method {name!r}: unknown loss {method.loss!r}; valid: {', '.join(LOSSES.names())}")
+    return METHODS.register(name, method)
+
+
+register_method("srpo", Method("srpo", ("task", "event_type", "turn")))
+register_method("grpo", Method("grpo", ("task", "event_type", "turn")))
+register_method("gspo", Method("gspo", ("task", "event_type", "turn")))
+register_method("dr_mas", Method("grpo", ("task", "role"), per_member=True))
+register_method("at_grpo", Method("grpo", ("task", "role", "turn"), per_member=True))
 
 
 def split_members(events: list[Event]) -> list[Event]:
@@ -54,9 +81,10 @@ def _key(event: Event, fields: tuple[str, ...]) -> tuple:
     return tuple(values[f] for f in fields)
 
 
-def assign_advantages(events: list[Event], method: str, *, scale: str = "std") -> list[Event]:
-    """Fill ``event.advantage`` for the method's grouping; returns the events the loss will see."""
-    spec = METHODS[method]
+def assign_advantages(events: list[Event], method: "str | Method", *, scale: str = "std") -> list[Event]:
+    """Fill ``event.advantage`` for the method's grouping (a registered name or a :class:`Method`);
+    returns the events the loss will see."""
+    spec = METHODS[method] if isinstance(method, str) else method
     if spec.per_member:
         events = split_members(events)
     keys: dict[tuple, int] = {}

@@ -41,33 +41,84 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
-from srpo.config import ConfigError, DataSource, apply_overrides, config_from_dict, read_yaml
+from pydantic import Field
+
+from srpo.config import ConfigError, DataSource, Float, Section, apply_overrides, config_from_dict, parse_section, read_yaml
 from srpo.metrics_log import read_metrics
 
 
+class AxisEntry(Section):
+    label: str
+    """The entry's name in the cell label and the results table."""
+    set: dict[str, Any] = Field(default_factory=dict)
+    """Config overrides (dotted keys, as ``srpo train --set``) this entry applies."""
+
+
+class StudyEval(Section):
+    k: int = 4
+    """Samples per problem (avg@k, pass@k)."""
+    temperature: Float | None = None
+    """Sampling temperature of the evaluation (None: the cell's workflow.temperature)."""
+    datasets: list[DataSource]
+    """Held-out sets; file paths relative to the study file."""
+
+
+class StudySpec(Section):
+    output_dir: str
+    """Folder of the study: one run folder per cell, results.md/json/png."""
+    base: str
+    """The training config every cell starts from (relative to the study file)."""
+    description: str = ""
+    """What the study asks; printed at the top of results.md."""
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    """Overrides every cell applies before its axis entries' ``set``."""
+    axes: dict[str, list[AxisEntry]]
+    """Axis name → its entries; the cells are the product of the axes, times the seeds."""
+    seeds: list[int]
+    """run.seed of each repetition; one seed gives every cell the same task order and first rollout."""
+    eval: StudyEval
+    """How each cell is evaluated after training."""
+    eval_untrained: bool = False
+    """Also evaluate each distinct workflow's starting point (once, untrained)."""
+    keep_checkpoints: bool = True
+    """false: delete a cell's checkpoints once it is evaluated (cell.json and the logs stay)."""
+
+
 def load_study(path: str | Path) -> dict:
+    """The study file, typed and validated like a run config — and every cell's config validated
+    too (before anything trains), so a typo in any axis entry fails at once, naming the entry."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"no study file at {p}")
-    spec = yaml.safe_load(p.read_text()) or {}
-    for key in ("output_dir", "base", "axes", "seeds", "eval"):
-        if key not in spec:
-            raise ConfigError(f"{p}: missing key {key!r} (needs output_dir, base, axes, seeds, eval)")
-    unknown = set(spec) - {"output_dir", "base", "overrides", "axes", "seeds", "eval", "description", "eval_untrained",
-                           "keep_checkpoints"}
-    if unknown:
-        raise ConfigError(f"{p}: unknown key {sorted(unknown)[0]!r}")
-    spec["base"] = str((p.parent / spec["base"]).resolve())
-    spec["base_config"] = read_yaml(spec["base"])  # read once: every cell starts from it and records it
-    for axis, entries in spec["axes"].items():
-        if not isinstance(entries, list) or not entries:
+    raw = yaml.safe_load(p.read_text()) or {}
+    try:
+        typed = parse_section(StudySpec, raw)
+    except ConfigError as err:
+        raise ConfigError(f"{p}: {err}") from None
+    for axis, entries in typed.axes.items():
+        if not entries:
             raise ConfigError(f"{p}: axes.{axis} must be a non-empty list of {{label, set}}")
-        for e in entries:
-            if not isinstance(e, dict) or "label" not in e:
-                raise ConfigError(f"{p}: every entry of axes.{axis} needs a label (and a set of overrides)")
+    spec = typed.model_dump(exclude_unset=True)  # as written: the recipe finished cells recorded
+    spec["base"] = str((p.parent / typed.base).resolve())
+    spec["base_config"] = read_yaml(spec["base"])  # read once: every cell starts from it and records it
+    spec["eval_sources"] = [_resolve(src, p.parent) for src in typed.eval.datasets]
+    for cell in cells(spec):
+        try:
+            cell_config(spec, cell, Path(spec["output_dir"]) / "_check")
+        except ConfigError as err:
+            raise ConfigError(f"{p}: cell {cell['label']} (seed {cell['seed']}): {err}") from None
     return spec
+
+
+def _resolve(src: DataSource, folder: Path) -> DataSource:
+    from srpo.tasks.kinds import synthetic_source
+
+    if synthetic_source(src.source) or src.source.startswith("hub:") or Path(src.source).is_absolute():
+        return src
+    return src.model_copy(update={"source": str((folder / src.source).resolve())})
 
 
 def cells(spec: dict) -> list[dict]:
@@ -87,9 +138,7 @@ def cells(spec: dict) -> list[dict]:
 
 
 def cell_config(spec: dict, cell: dict, run_dir: Path):
-    data = copy.deepcopy(spec["base_config"])
-    items = [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in cell["overrides"].items()]
-    data = apply_overrides(data, items + [f"run.output_dir={run_dir}"])
+    data = apply_overrides(copy.deepcopy(spec["base_config"]), {**cell["overrides"], "run.output_dir": str(run_dir)})
     data.setdefault("task", {})["eval"] = []
     return config_from_dict(data)
 
@@ -104,7 +153,7 @@ def _same_recipe(recorded: dict, recipe: dict) -> bool:
 
 def run_cell(spec: dict, cell: dict, root: Path, progress: bool = True, train: bool = True) -> dict:
     """Train (unless ``train`` is False: the untrained reference) and evaluate one cell."""
-    from srpo.data import load_tasks, source_name
+    from srpo import build
     from srpo.evaluation import evaluate
     from srpo.trainer import Trainer
 
@@ -124,23 +173,24 @@ def run_cell(spec: dict, cell: dict, root: Path, progress: bool = True, train: b
         return record
     cfg = cell_config(spec, cell, run_dir)
     started = time.perf_counter()
-    trainer = Trainer(cfg, progress=progress)
+    ev = spec["eval"]
+    datasets = build.eval_sets(cfg, spec["eval_sources"], n=0)  # each source's own n
     if train:
+        trainer = Trainer(cfg, progress=progress)
         trainer.resume()
         if trainer.step < cfg.run.steps:
             trainer.fit()
-    ev = spec["eval"]
-    datasets = {}
-    for d in ev["datasets"]:
-        src = DataSource(**{k: v for k, v in d.items()})
-        if not src.source.startswith(("synthetic_", "hub:")) and not Path(src.source).is_absolute():
-            src.source = str((Path(spec["base"]).parent / src.source).resolve()) if not Path(src.source).exists() else src.source
-        datasets[source_name(src)] = load_tasks(src, cfg.task.kind)[: src.n or None]
-    with trainer.autocast():
-        results = evaluate(trainer.policies, trainer.workflow, trainer.role_specs, datasets, k=ev.get("k", 4),
+        team, autocast = build.Team(trainer.workflow, trainer.role_specs, trainer.policies), trainer.autocast()
+    else:  # the untrained reference: the team's starting point, no run folder
+        trainer, team = None, build.team(cfg)
+        autocast = torch.autocast("cuda" if cfg.run.device.startswith("cuda") else "cpu", dtype=torch.bfloat16,
+                                  enabled=cfg.model.autocast_bf16)
+    with autocast:
+        results = evaluate(team.policies, team.workflow, team.role_specs, datasets, k=ev.get("k", 4),
                            temperature=ev.get("temperature", cfg.workflow.temperature), seed=1000 + cell["seed"],
                            progress=progress)
-    trainer.close()
+    if trainer is not None:
+        trainer.close()
     run_dir.mkdir(parents=True, exist_ok=True)
     record = {**cell, "eval": results, "diagnostics": diagnostics(run_dir) if train else {},
               "minutes": (time.perf_counter() - started) / 60, "recipe": recipe}

@@ -19,6 +19,7 @@ already global), so the update equals that of one process on the whole batch.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import random
@@ -32,22 +33,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from srpo.checkpoint import (CheckpointError, CorruptCheckpoint, candidates, load_checkpoint, new_temporary,
+from srpo.checkpoint import (BEST_FILE, CheckpointError, CorruptCheckpoint, candidates, load_checkpoint, new_temporary,
                              remove_stale_temporaries, rng_state, save_checkpoint, set_rng_state)
+from srpo import build
 from srpo.config import Config
-from srpo.data import build_retriever, epoch_order, load_tasks
+from srpo.data import epoch_order
+from srpo.fileio import write_text_atomic
 from srpo.events import Event, collate, global_normalizer, split_minibatches, validate_events
-from srpo.methods import METHODS, assign_advantages
+from srpo.methods import assign_advantages
 from srpo.metrics_log import MetricsLogger
 from srpo.objective import policy_loss
 from srpo.objective.metrics import MetricAccumulator, Metrics, gradient_share_by_k
 from srpo.policies.fsdp import global_norm_value
-from srpo.policies.layouts import LoraSettings, PolicySet, build_policies
-from srpo.policies.sampling import SamplingParams
+from srpo.policies.layouts import PolicySet
 from srpo.run_dir import RunDirError, RunLock, clear_previous_run, previous_run
-from srpo.tasks.rewards import TRAIN_REWARD_FNS
-from srpo.workflows.builtins import build_workflow
-from srpo.workflows.runtime import EpisodeResult, RoleSpec, Runtime
+from srpo.workflows.runtime import EpisodeResult, Runtime
 
 log = logging.getLogger(__name__)
 
@@ -96,42 +96,6 @@ class Distributed:
             self.enabled = False
 
 
-def role_specs_for(cfg: Config, workflow) -> dict[str, RoleSpec]:
-    """The workflow's default role settings with the config's per-role overrides applied."""
-    specs = workflow.default_role_specs()
-    for role, spec in specs.items():
-        specs[role] = replace(spec, system=cfg.workflow.system if cfg.workflow.system is not None else spec.system,
-                              template=cfg.workflow.template if cfg.workflow.template is not None else spec.template)
-    for role, o in cfg.workflow.roles.items():
-        spec = specs[role]
-        sampling = spec.sampling
-        sampling = SamplingParams(
-            temperature=o.temperature if o.temperature is not None else sampling.temperature,
-            top_p=o.top_p if o.top_p is not None else sampling.top_p,
-            max_new_tokens=o.max_new_tokens if o.max_new_tokens is not None else sampling.max_new_tokens,
-            stop=tuple(o.stop) if o.stop is not None else sampling.stop,
-        )
-        specs[role] = replace(spec, system=o.system if o.system is not None else spec.system,
-                              template=o.template if o.template is not None else spec.template, sampling=sampling)
-    return specs
-
-
-def build_workflow_from_config(cfg: Config, retriever=None):
-    return build_workflow(cfg.workflow.name, kind=cfg.task.kind, max_new_tokens=cfg.workflow.max_new_tokens,
-                          temperature=cfg.workflow.temperature,
-                          **({"retriever": retriever} if retriever is not None else {}), **cfg.workflow.options)
-
-
-def build_policy_set(cfg: Config, roles: list[str]) -> PolicySet:
-    lora = LoraSettings(r=cfg.model.lora.r, alpha=cfg.model.lora.alpha, dropout=cfg.model.lora.dropout,
-                        target_modules=tuple(cfg.model.lora.target_modules))
-    policies = build_policies(cfg.model.layout, cfg.model.name, roles, role_groups=cfg.model.role_groups or None,
-                              lora=lora, dtype=cfg.model.dtype, seed=cfg.run.seed)
-    for module in policies.modules():
-        module.to(cfg.run.device)
-    return policies
-
-
 class Trainer:
     """One training run in ``cfg.run.output_dir``.
 
@@ -158,13 +122,14 @@ class Trainer:
         self.lock = RunLock(self.run_dir)
         self._on_rank0_agreed(lambda: (self.lock.acquire(), remove_stale_temporaries(self.run_dir)),
                               RunDirError(f"rank 0 could not lock the run folder {self.run_dir}; see its message"))
-        self.method = METHODS[cfg.method.name]
+        self.method = build.method(cfg)
         self._seed_everything(cfg.run.seed)
-        self.train_tasks = load_tasks(cfg.task.train, cfg.task.kind)
-        self.retriever = build_retriever(cfg)
-        self.workflow = build_workflow_from_config(cfg, self.retriever)
-        self.role_specs = role_specs_for(cfg, self.workflow)
-        self.policies = policies or build_policy_set(cfg, self.workflow.roles())
+        self.train_tasks = build.train_tasks(cfg)
+        # Held-out sets load up front: a bad eval dataset fails before a model loads, not at step N.
+        self.eval_sets = build.eval_sets(cfg) if cfg.eval.every else {}
+        team = build.team(cfg, policies)
+        self.retriever, self.workflow, self.role_specs, self.policies = (team.retriever, team.workflow,
+                                                                         team.role_specs, team.policies)
         if cfg.method.kl_coef > 0:
             self.policies.freeze_reference()
         if cfg.train.parallel == "fsdp":
@@ -189,7 +154,7 @@ class Trainer:
         }
         # Each rank samples differently; the seed offset keeps ranks' rollouts independent.
         self.rollout_generator = torch.Generator().manual_seed(cfg.run.seed * 1000 + self.dist.rank)
-        self.runtime = Runtime(self.policies, self.role_specs, reward_fn or TRAIN_REWARD_FNS[cfg.task.reward], generator=self.rollout_generator,
+        self.runtime = Runtime(self.policies, self.role_specs, reward_fn or build.reward(cfg), generator=self.rollout_generator,
                                max_batch=t.rollout_batch, max_prompt_tokens=cfg.workflow.max_prompt_tokens)
         self.reuse_forward_as_old = True  # see on_policy_single_step; tests turn it off to compare
         self.step = 0
@@ -197,6 +162,7 @@ class Trainer:
         self.data_pos = 0
         self.data_order = self._shuffled_order(0)
         self.nonfinite_in_a_row = 0
+        self.best: dict[str, Any] | None = None  # the best held-out evaluation so far (eval.every)
         self.mismatch = RolloutMismatch()
         self.totals = defaultdict(float)  # running counters (tokens, correct, skipped steps ...)
         self.logger = MetricsLogger(
@@ -494,7 +460,7 @@ class Trainer:
         t_rollout = time.perf_counter() - t0
         events = [e for ep in episodes for e in ep.events]
         valid, dropped = validate_events(events)
-        loss_events = assign_advantages(valid, self.cfg.method.name, scale=self.cfg.method.advantage_scale)
+        loss_events = assign_advantages(valid, self.method, scale=self.cfg.method.advantage_scale)
         t1 = time.perf_counter()
         self.mismatch = RolloutMismatch()
         if self.cfg.train.old_logprobs == "recompute" and not self.on_policy_single_step:
@@ -517,9 +483,55 @@ class Trainer:
             for sched in self.schedulers.values():
                 sched.step()
         self.step += 1
+        if self.eval_due():
+            metrics.update(self.evaluate_heldout())
         self.logger.log(self.step, metrics)
         self.logger.samples(self.step, [_episode_record(ep) for ep in episodes[: self.cfg.log.sample_episodes]])
         return metrics
+
+    # ------------------------------------------------------------------------------ evaluation
+    BEST_METRIC = "eval/macro/avg@{k}"
+
+    def _is_new_best(self, metrics: dict[str, Any]) -> bool:
+        value = metrics.get(self.BEST_METRIC.format(k=self.cfg.eval.k))
+        return value is not None and (self.best is None or value > self.best["value"])
+
+    def _name_best(self, metrics: dict[str, Any]) -> None:
+        """Record the step just checkpointed as the best so far in ``checkpoints/best.json`` (rank 0;
+        checkpoint pruning keeps the checkpoint it names)."""
+        key = self.BEST_METRIC.format(k=self.cfg.eval.k)
+        self.best = {"step": self.step, "checkpoint": f"step_{self.step:07d}", "metric": key, "value": metrics[key]}
+        if self.dist.rank == 0:
+            write_text_atomic(self.run_dir / "checkpoints" / BEST_FILE, json.dumps(self.best, indent=1))
+
+    def eval_due(self) -> bool:
+        """Every ``eval.every`` steps, and after the run's last step."""
+        every = self.cfg.eval.every
+        return bool(every and self.eval_sets) and (self.step % every == 0 or self.step == self.cfg.run.steps)
+
+    def evaluate_heldout(self) -> dict[str, float]:
+        """avg@k, pass@k (and the task kind's extra metrics, e.g. QA's f1) of every ``task.eval``
+        set at the current weights, as ``eval/<dataset>/<metric>`` and ``eval/macro/<metric>``.
+
+        The same sampling seed at every evaluation (common random numbers: a change between two
+        evaluations is the weights', not the draw's).  Every rank evaluates every set (same seed,
+        same result; under FSDP with the full weights gathered); rank 0 logs.
+        """
+        from srpo.evaluation import evaluate
+
+        e = self.cfg.eval
+        with torch.no_grad(), self.autocast(), self.policies.gathered():
+            results = evaluate(self.policies, self.workflow, self.role_specs, self.eval_sets, k=e.k,
+                               temperature=e.temperature, seed=1000 + self.cfg.run.seed,
+                               max_batch=self.cfg.train.rollout_batch, progress=self.progress)
+        out = {}
+        for name, d in results["datasets"].items():
+            for key, value in d.items():
+                if isinstance(value, (int, float)) and not key.endswith("_stderr") and key != "n":
+                    out[f"eval/{name}/{key}"] = float(value)
+        for key, value in results["macro"].items():
+            out[f"eval/macro/{key}"] = float(value)
+        return out
 
     def _episode_metrics(self, episodes: list[EpisodeResult], valid: list[Event], dropped: int) -> dict[str, Any]:
         rewards = [ep.reward for ep in episodes]
@@ -582,6 +594,7 @@ class Trainer:
             "rng": rng_plain,
             "totals": dict(self.totals),
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            "best": self.best,
         }
         return tensors, plain
 
@@ -704,6 +717,7 @@ class Trainer:
                             self.dist.world, len(by_rank))
         self.totals = defaultdict(float, plain["totals"])
         self.nonfinite_in_a_row = plain["nonfinite_in_a_row"]
+        self.best = plain.get("best")
 
     # ------------------------------------------------------------------------------ the loop
     def fit(self, steps: int | None = None, on_step=None) -> list[dict[str, Any]]:
@@ -711,6 +725,7 @@ class Trainer:
         if not self._claimed:
             self._claim_fresh()
         history = []
+        saved_at = None
         bar = None
         if self.progress:
             from tqdm.auto import tqdm
@@ -727,15 +742,19 @@ class Trainer:
                 if on_step is not None:
                     on_step(self, metrics)
                 every = self.cfg.checkpoint.every
-                if every and self.step % every == 0:
+                best = self._is_new_best(metrics)
+                if best or (every and self.step % every == 0):
                     self.save()
+                    saved_at = self.step
+                if best:
+                    self._name_best(metrics)
                 if self.nonfinite_in_a_row >= self.cfg.train.max_nonfinite_steps:
                     where = self.save()
                     raise TrainingStopped(
                         f"{self.nonfinite_in_a_row} consecutive steps had NaN/Inf loss or gradients; stopped at "
                         f"step {self.step} (checkpoint: {where}). Lower train.lr or check the reward and inputs.")
-            if not self.cfg.checkpoint.every or self.step % self.cfg.checkpoint.every:
-                self.save()
+            if saved_at != self.step:
+                self.save()  # the last step, when neither the cadence nor a best evaluation saved it
         finally:
             if bar is not None:
                 bar.close()

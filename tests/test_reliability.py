@@ -170,7 +170,7 @@ def test_bad_dataset_fails_before_any_model_loads(tmp_path, monkeypatch, content
     def no_model(*a, **k):
         raise AssertionError("a model was loaded before the data was checked")
 
-    monkeypatch.setattr("srpo.trainer.build_policy_set", no_model)
+    monkeypatch.setattr("srpo.build.policies", no_model)
     with pytest.raises(DatasetError, match=message):
         Trainer(cfg, progress=False)
 

@@ -1,14 +1,17 @@
 """Pure tensor math of SRPO and its baselines.
 
-Nothing here touches models, tokenizers, configs or files, and nothing calls ``.item()`` on the
-hot path: tensors and scalars in, ``(loss, metrics)`` out, metrics detached.  Other trainers
+Nothing here touches models, tokenizers, configs or files: tensors and scalars in, ``(loss,
+metrics)`` out, metrics detached.  The loss reads back to the host only where it must: the
+``event_index`` bounds check (one sync) and the set sizes present in the batch for the per-K
+diagnostics (``torch.unique(...).tolist()``, one sync per loss call).  Other trainers
 (verl, TRL, a hand-written loop) can import this sub-package alone.
 
 Public API
 ----------
 - :func:`policy_loss` — one entry point for every registered loss (``srpo``, ``grpo``, ``gspo``).
 - :func:`group_advantages` — group-relative advantages, one per event.
-- :data:`LOSSES`, :func:`register_loss` — the loss registry.
+- :data:`LOSSES`, :func:`register_loss`, :func:`update_unit` — the loss registry and each loss's update unit.
+- :class:`~srpo.objective.metrics.Metrics` — diagnostics that declare how they combine.
 - :data:`SET_REDUCTIONS`, :data:`MEMBER_REDUCTIONS` — the valid options of the set objective.
 """
 
@@ -17,7 +20,7 @@ from srpo.objective.losses import (
     LOSSES,
     MEMBER_REDUCTIONS,
     SET_REDUCTIONS,
-    UPDATE_UNITS,
+    update_unit,
     policy_loss,
     register_loss,
     set_log_ratio,
@@ -28,7 +31,7 @@ __all__ = [
     "LOSSES",
     "MEMBER_REDUCTIONS",
     "SET_REDUCTIONS",
-    "UPDATE_UNITS",
+    "update_unit",
     "group_advantages",
     "policy_loss",
     "register_loss",

@@ -6,8 +6,10 @@
 ``compute_grpo_outcome_advantage`` and TRL's ``GRPOTrainer`` compute it.  A group with a single
 event has no peer to be compared with, so its advantage is 0 (not NaN).
 
-Which events form a group is the caller's choice of ``group_ids``: (task, event type) for SRPO,
-(task, role) for Dr. MAS-style agent-wise normalisation, (task, role, turn) for AT-GRPO.
+Which events form a group is the caller's choice of ``group_ids``; :mod:`srpo.methods` defines
+them per method: (task, event type, turn) for SRPO, GRPO and GSPO; (task, role) for Dr. MAS-style
+agent-wise normalisation and (task, role, turn) for AT-GRPO, both after splitting each K-event
+into its members.
 """
 
 from __future__ import annotations

@@ -35,27 +35,34 @@ from typing import Callable
 import torch
 
 from srpo.objective.metrics import Metrics
+from srpo.registry import Registry
 
 SET_REDUCTIONS = ("sqrt", "sum", "mean")
 MEMBER_REDUCTIONS = ("sum", "mean")
 
-#: What each loss ratios, clips and averages over; the global ``normalizer`` counts these.
-UPDATE_UNITS = {"srpo": "event", "grpo": "token", "gspo": "member"}
+UNITS = ("event", "member", "token")
 
 LossFn = Callable[..., "tuple[torch.Tensor, Metrics]"]
-LOSSES: dict[str, LossFn] = {}
+#: name → loss function, each with its ``unit``: what it ratios, clips and averages over (the
+#: global ``normalizer`` counts these, and mini-batches split on whole events either way).
+LOSSES: Registry[LossFn] = Registry("loss")
 
 
-def register_loss(name: str) -> Callable[[LossFn], LossFn]:
-    """Register ``fn(batch: MemberBatch, *, clip_low, clip_high, normalizer, kl_coef)`` under ``name``."""
+def register_loss(name: str, *, unit: str) -> Callable[[LossFn], LossFn]:
+    """Register ``fn(batch: MemberBatch, *, clip_low, clip_high, normalizer, kl_coef) -> (loss, Metrics)``
+    under ``name``; ``unit`` is its update unit, ``event``, ``member`` or ``token``."""
+    if unit not in UNITS:
+        raise ValueError(f"loss {name!r}: unit {unit!r} is not valid; valid: {', '.join(UNITS)}")
 
     def decorator(fn: LossFn) -> LossFn:
-        if name in LOSSES:
-            raise ValueError(f"loss {name!r} is already registered")
-        LOSSES[name] = fn
-        return fn
+        return LOSSES.register(name, fn, unit=unit)
 
     return decorator
+
+
+def update_unit(loss: str) -> str:
+    """The update unit of a registered loss (or an import path to one)."""
+    return LOSSES.meta(loss)["unit"]
 
 
 def _check_choice(kind: str, value: str, valid) -> None:
@@ -309,7 +316,7 @@ def _add_kl(b: MemberBatch, pg_loss, metrics, kl_sum, denom, kl_coef):
     return loss, metrics
 
 
-@register_loss("srpo")
+@register_loss("srpo", unit="event")
 def _srpo_loss(b: MemberBatch, *, clip_low, clip_high, normalizer, kl_coef):
     """Set-level PPO-clip: one ratio, one advantage, one clip per event; mean over events."""
     present = b.present
@@ -332,7 +339,7 @@ def _srpo_loss(b: MemberBatch, *, clip_low, clip_high, normalizer, kl_coef):
     return _add_kl(b, pg_loss, metrics, kl_sum, denom, kl_coef)
 
 
-@register_loss("grpo")
+@register_loss("grpo", unit="token")
 def _grpo_loss(b: MemberBatch, *, clip_low, clip_high, normalizer, kl_coef):
     """Token-level PPO-clip; each member takes its event's advantage; mean over action tokens."""
     adv = b.advantages[b.event_index].unsqueeze(1).expand_as(b.token_log_ratio)  # (M, T)
@@ -350,7 +357,7 @@ def _grpo_loss(b: MemberBatch, *, clip_low, clip_high, normalizer, kl_coef):
     return _add_kl(b, pg_loss, metrics, lambda: b.ref_kl.sum(), denom, kl_coef)  # per token
 
 
-@register_loss("gspo")
+@register_loss("gspo", unit="member")
 def _gspo_loss(b: MemberBatch, *, clip_low, clip_high, normalizer, kl_coef):
     """Sequence-level PPO-clip on the length-normalised ratio of each member; mean over members."""
     seq_log_ratio = b.token_log_ratio.sum(1) / b.tokens.clamp(min=1)  # (M,)
@@ -389,7 +396,7 @@ def policy_loss(
     """Compute a registered policy loss and its diagnostics.
 
     Args:
-        name: a key of :data:`LOSSES` (``srpo``, ``grpo``, ``gspo``).
+        name: a registered loss (``srpo``, ``grpo``, ``gspo``; :data:`LOSSES`) or an import path to one.
         logprobs: (M, T) log q_cur of each completion token (carries the gradient).
         old_logprobs: (M, T) log q_old, the behaviour policy's log-probs.
         mask: (M, T) 1 on action tokens, 0 on padding and tool/environment text.
@@ -422,7 +429,8 @@ def policy_loss(
         ``by_k/set_log_ratio_std/k{K}`` and ``by_k/unit_log_ratio_std/k{K}`` (the spread of the
         log-ratio each update unit is clipped on).
     """
-    _check_choice("loss", name, LOSSES)
+    if name not in LOSSES:
+        raise ValueError(f"unknown loss {name!r}; valid: {', '.join(LOSSES.names())} (or package.module:function)")
     if clip_eps < 0 or (clip_eps_high is not None and clip_eps_high < 0):
         raise ValueError(f"clip ranges must be non-negative; got clip_eps={clip_eps}, clip_eps_high={clip_eps_high}")
     batch = _prepare(

@@ -14,6 +14,8 @@ code that computes a metric knows which.  So each metric is recorded with its re
     spread    (Σx, Σx², n)                 standard deviation of all x pooled
     per_step  value                        Σ values / number of optimizer steps (losses,
                                            which are split over micro-batches and ranks)
+    share     value, and a total's name    Σ values / the named ``sum`` metric's total (one
+                                           part of a whole, e.g. the gradient mass of K-sets)
     ========  ===========================  =============================================
 
 Every kind combines across ranks too (sums are summed, min/max reduced), so a counter described
@@ -27,8 +29,8 @@ import math
 
 import torch
 
-KINDS = ("ratio", "sum", "min", "max", "spread", "per_step")
-_PARTS = {"ratio": 2, "sum": 1, "min": 1, "max": 1, "spread": 3, "per_step": 1}
+KINDS = ("ratio", "sum", "min", "max", "spread", "per_step", "share")
+_PARTS = {"ratio": 2, "sum": 1, "min": 1, "max": 1, "spread": 3, "per_step": 1, "share": 1}
 
 
 def _scalar(x) -> torch.Tensor:
@@ -52,6 +54,7 @@ class Metrics(dict):
         super().__init__()
         self.kinds: dict[str, str] = {}
         self.parts: dict[str, tuple[torch.Tensor, ...]] = {}
+        self.share_of: dict[str, str] = {}
 
     def _put(self, name: str, kind: str, value: torch.Tensor, parts: tuple) -> None:
         self[name] = value
@@ -96,9 +99,22 @@ class Metrics(dict):
         v = _scalar(value)
         self._put(name, "per_step", v, (v,))
 
+    def share(self, name: str, value, total_name: str, total) -> None:
+        """``value`` as a part of the ``sum`` metric ``total_name`` (recorded here with ``total``).
+
+        Pooled over calls, the share is Σ value / Σ total over *every* call — also those in which
+        this part was absent (a ratio metric would divide by the totals of its own calls only).
+        """
+        self.sum(total_name, total)
+        v = _scalar(value)
+        t = self[total_name]
+        self._put(name, "share", torch.where(t > 0, v / t.clamp(min=1e-30).to(v.dtype), torch.zeros_like(v)), (v,))
+        self.share_of[name] = total_name
+
     def update_from(self, other: "Metrics") -> None:
         for name, value in other.items():
             self._put(name, other.kinds[name], value, other.parts[name])
+        self.share_of.update(other.share_of)
 
 
 class MetricAccumulator:
@@ -107,11 +123,13 @@ class MetricAccumulator:
     def __init__(self):
         self.kinds: dict[str, str] = {}
         self.totals: dict[str, list[float]] = {}
+        self.share_of: dict[str, str] = {}
         self.optimizer_steps = 0
 
     def add(self, metrics: Metrics) -> None:
         if not metrics:
             return
+        self.share_of.update(metrics.share_of)
         names = list(metrics)
         # One read-back for the whole dict (one device sync per micro-batch, not one per metric).
         flat = torch.stack([p.to("cpu", torch.float64) for n in names for p in metrics.parts[n]]).tolist()
@@ -147,10 +165,11 @@ class MetricAccumulator:
             return
         world = torch.distributed.get_world_size()
         seen: list = [None] * world
-        torch.distributed.all_gather_object(seen, dict(self.kinds))
+        torch.distributed.all_gather_object(seen, (dict(self.kinds), dict(self.share_of)))
         kinds: dict[str, str] = {}
-        for d in seen:
+        for d, shares in seen:
             kinds.update(d)
+            self.share_of.update(shares)
         names = sorted(kinds)
         neutral = {"min": math.inf, "max": -math.inf}
         device = torch.device("cuda", torch.cuda.current_device()) \
@@ -184,6 +203,9 @@ class MetricAccumulator:
                 out[name] = math.sqrt(max(t[1] / n - (t[0] / n) ** 2, 0.0)) if n else 0.0
             elif kind == "per_step":
                 out[name] = t[0] / max(self.optimizer_steps, 1)
+            elif kind == "share":
+                whole = self.totals.get(self.share_of[name], [0.0])[0]
+                out[name] = t[0] / whole if whole else 0.0
             else:
                 out[name] = t[0]
         return out
@@ -210,5 +232,5 @@ def gradient_share_by_k(loss: torch.Tensor, logprobs: torch.Tensor, member_set_s
     mass = grad.detach().abs().sum(1)  # (M,)
     total = mass.sum()
     for k in torch.unique(member_set_sizes).tolist():
-        m.ratio(f"by_k/grad_share/k{k}", mass[member_set_sizes == k].sum(), total)
+        m.share(f"by_k/grad_share/k{k}", mass[member_set_sizes == k].sum(), "grad_mass_logprobs", total)
     return m

@@ -24,8 +24,13 @@ and the vocabulary head 5.9 → 3.2 ms, against ~0.12 s to pack once per call.  
 the packed bf16 matmul gives the same bits as autocast's ``F.linear``; in float32 oneDNN's
 summation order differs from MKL's in the last bits.
 
-Models outside the family — other architectures, PEFT-wrapped models (mixed-adapter batches),
-sliding-window attention, activations other than SiLU — get ``None`` from
+Decoders are registered per ``config.model_type`` in :data:`FAST_DECODERS`
+(``@register_fast_decoder("llama", "qwen2")``); a decoder class takes the model in its constructor,
+says in ``supports(model)`` whether it can run that particular model, and implements ``start``,
+``pack_weights`` and ``step`` as :class:`FastDecoder` does.  Another architecture with the Llama
+layout (Mistral, ...) registers :class:`FastDecoder` itself or a subclass; README "Extending srpo"
+shows how.  Models without a decoder — other architectures, PEFT-wrapped models (mixed-adapter
+batches), sliding-window attention, activations other than SiLU — get ``None`` from
 :func:`fast_decoder_for`, and sampling takes the HF step.
 """
 
@@ -38,13 +43,26 @@ import torch
 import torch.nn.functional as F
 
 from srpo.policies.attention import ATTENTION_NAME
+from srpo.registry import Registry
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+#: ``config.model_type`` → decoder class (constructor ``cls(model)``, ``cls.supports(model)``).
+FAST_DECODERS: Registry[type] = Registry("fast decoder")
 
 
-def _supported(model) -> bool:
+def register_fast_decoder(*model_types: str):
+    """Class decorator: use this decoder for models whose ``config.model_type`` is one of these."""
+    def decorator(cls):
+        for model_type in model_types:
+            FAST_DECODERS.register(model_type, cls)
+        return cls
+    return decorator
+
+
+def llama_layout_supported(model) -> bool:
+    """Whether ``model`` has the Llama layout :class:`FastDecoder` computes: SiLU MLP, full
+    attention everywhere, ``model.layers`` / ``rotary_emb`` / ``lm_head`` present."""
     cfg = getattr(model, "config", None)
-    if cfg is None or hasattr(model, "peft_config") or getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+    if cfg is None:
         return False
     if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "pretraining_tp", 1) != 1:
         return False
@@ -101,8 +119,13 @@ class DecodeState:
         self.values = [v[rows] for v in self.values]
 
 
+@register_fast_decoder("llama", "qwen2")
 class FastDecoder:
     """The one-token decode step of one Llama-family model."""
+
+    @classmethod
+    def supports(cls, model) -> bool:
+        return llama_layout_supported(model)
 
     def __init__(self, model):
         cfg = model.config
@@ -216,5 +239,11 @@ class FastDecoder:
 
 
 def fast_decoder_for(model) -> FastDecoder | None:
-    """The lean decode step for ``model``, or None when the model is outside the supported family."""
-    return FastDecoder(model) if _supported(model) else None
+    """The registered decode step for ``model``'s architecture, or None (no decoder for it, a
+    PEFT-wrapped model, or a configuration the decoder does not support): sampling then takes
+    the HF step."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type is None or hasattr(model, "peft_config") or model_type not in FAST_DECODERS.names():
+        return None
+    cls = FAST_DECODERS[model_type]
+    return cls(model) if cls.supports(model) else None

@@ -12,17 +12,27 @@
 
 Prompts are defaults per task kind; every role's system prompt, template and sampling can be
 overridden from the config.
+
+A workflow is a dataclass subclass of :class:`Workflow` registered with :func:`register_workflow`
+(or named by import path, ``workflow.name: mypkg.teams:Debate``).  Its dataclass fields beyond the
+base ones are its *options* (``workflow.options``), validated by their type annotations —
+``Annotated[int, Field(ge=1)]`` adds bounds — and ``needs_retriever = True`` makes a config
+without a corpus or retrieval server an error.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any
+import typing
+from dataclasses import dataclass, fields, replace
+from typing import Annotated, Any
+
+from pydantic import Field, TypeAdapter, ValidationError
 
 from srpo.policies.sampling import SamplingParams
+from srpo.registry import Registry
 from srpo.tasks.base import Task
-from srpo.tasks.math import extract_answer
-from srpo.tasks.search import Retriever, extract_tagged_answer
+from srpo.tasks.kinds import task_kind
+from srpo.tasks.search import Retriever
 from srpo.workflows.parsing import (
     parse_decision,
     parse_router_choice,
@@ -31,7 +41,6 @@ from srpo.workflows.parsing import (
 )
 from srpo.workflows.runtime import EpisodeContext, RoleSpec
 
-MATH_SYSTEM = "Solve the math problem. End with the final answer in the form \\boxed{ANSWER}."
 QA_SYSTEM = "Answer the question with a short phrase inside <answer> and </answer>."
 SEARCH_SYSTEM = (
     "Answer the question. To look something up, write <search>your query</search> and the results "
@@ -40,8 +49,13 @@ SEARCH_SYSTEM = (
 )
 
 
+#: A positive integer option (a count of workers, rounds, turns, passages ...).
+Count = Annotated[int, Field(ge=1)]
+_BASE_FIELDS = ("kind", "max_new_tokens", "temperature", "retriever")
+
+
 def _system(kind: str) -> str:
-    return MATH_SYSTEM if kind == "math" else QA_SYSTEM
+    return task_kind(kind).system_prompt
 
 
 def _short(text: str, limit: int = 600) -> str:
@@ -50,7 +64,7 @@ def _short(text: str, limit: int = 600) -> str:
 
 
 def _answer_of(text: str, kind: str) -> str:
-    found = extract_answer(text) if kind == "math" else extract_tagged_answer(text)
+    found = task_kind(kind).extract_answer(text)
     return found if found is not None else _short(text, 200)
 
 
@@ -59,9 +73,29 @@ class Workflow:
     """Base: a workflow names its roles, their default settings, and its ``run``."""
 
     name = "workflow"
+    needs_retriever = False  # True: a config must give task.corpus or retriever.url
     kind: str = "math"  # the task kind the default prompts are written for
     max_new_tokens: int = 256
     temperature: float = 1.0
+
+    @classmethod
+    def option_fields(cls) -> dict[str, Any]:
+        """The options a config may set: name → type annotation (the fields beyond the base ones
+        and the retriever, which srpo passes in)."""
+        hints = typing.get_type_hints(cls, include_extras=True)
+        return {f.name: hints[f.name] for f in fields(cls) if f.name not in _BASE_FIELDS}
+
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> None:
+        """Raise ``ValueError("<option>: <problem>")`` for an unknown option or a bad value."""
+        valid = cls.option_fields()
+        for key, value in options.items():
+            if key not in valid:
+                raise ValueError(f"{key}: {cls.name} has no such option; valid: {', '.join(valid) or '(none)'}")
+            try:
+                TypeAdapter(valid[key]).validate_python(value, strict=True)
+            except ValidationError as err:
+                raise ValueError(f"{key}: {err.errors(include_url=False)[0]['msg']} (got {value!r})") from None
 
     def roles(self) -> list[str]:
         raise NotImplementedError
@@ -88,7 +122,7 @@ class Single(Workflow):
 @dataclass
 class SolverVerifier(Workflow):
     name = "solver_verifier"
-    rounds: int = 2
+    rounds: Count = 2
 
     def roles(self):
         return ["solver", "verifier"]
@@ -126,7 +160,7 @@ def _aggregator_prompt(task: Task, outputs, kind: str) -> str:
 @dataclass
 class ParallelAggregate(Workflow):
     name = "parallel_aggregate"
-    num_workers: int = 3
+    num_workers: Count = 3
 
     def roles(self):
         return [f"worker_{i + 1}" for i in range(self.num_workers)] + ["aggregator"]
@@ -140,9 +174,9 @@ class ParallelAggregate(Workflow):
 @dataclass
 class Routed(Workflow):
     name = "routed"
-    num_workers: int = 3
-    fallback: str = "all"  # what an unparseable router choice means: "all" workers or the "first"
-    max_chosen: int = 0  # the most workers one episode may run (0: all of them); extra choices dropped
+    num_workers: Count = 3
+    fallback: typing.Literal["all", "first"] = "all"  # what an unparseable router choice means
+    max_chosen: Annotated[int, Field(ge=0)] = 0  # the most workers one episode may run (0: all); extra choices dropped
 
     def __post_init__(self):
         if self.fallback not in ("all", "first"):
@@ -185,10 +219,11 @@ class Search(Workflow):
     the next turn's prompt (so it is never in an action mask)."""
 
     name = "search"
+    needs_retriever = True
     kind: str = "qa"
     retriever: Retriever | None = None
-    max_turns: int = 3
-    top_k: int = 3
+    max_turns: Count = 3
+    top_k: Count = 3
     max_new_tokens: int = 96
 
     def roles(self):
@@ -222,11 +257,12 @@ class SearchTeam(Workflow):
     """A verifier routes each turn to searching or answering; N searchers query in parallel."""
 
     name = "search_team"
+    needs_retriever = True
     kind: str = "qa"
     retriever: Retriever | None = None
-    num_searchers: int = 1
-    max_turns: int = 3
-    top_k: int = 3
+    num_searchers: Count = 1
+    max_turns: Count = 3
+    top_k: Count = 3
     max_new_tokens: int = 64
 
     def roles(self):
@@ -272,19 +308,35 @@ class SearchTeam(Workflow):
         return (await ctx.ask("answerer", f"Question: {task.question}\n\nInformation:\n{info}")).text
 
 
-WORKFLOWS: dict[str, type[Workflow]] = {
-    w.name: w for w in (Single, SolverVerifier, ParallelAggregate, Routed, Search, SearchTeam)
-}
-SEARCH_WORKFLOWS = ("search", "search_team")
+def _workflow_meta(cls) -> dict:
+    if not (isinstance(cls, type) and issubclass(cls, Workflow)):
+        raise TypeError("expected a dataclass subclass of srpo.workflows.Workflow")
+    return {"needs_retriever": bool(cls.needs_retriever), "options": cls.option_fields()}
+
+
+#: name → workflow class, with ``needs_retriever`` and ``options`` (option name → type).
+WORKFLOWS: Registry[type[Workflow]] = Registry("workflow", adopt=_workflow_meta)
+
+
+def register_workflow(cls: type[Workflow]) -> type[Workflow]:
+    """Class decorator: register a :class:`Workflow` under its ``name``."""
+    return WORKFLOWS.register(cls.name, cls, **_workflow_meta(cls))
+
+
+for _cls in (Single, SolverVerifier, ParallelAggregate, Routed, Search, SearchTeam):
+    register_workflow(_cls)
+
+
+def needs_retriever(name: str) -> bool:
+    return WORKFLOWS.meta(name)["needs_retriever"]
 
 
 def build_workflow(name: str, **options: Any) -> Workflow:
-    """A built-in workflow by name with its options (``num_workers``, ``rounds``, ``retriever`` ...)."""
+    """A registered workflow (or one named by import path) with its options and settings
+    (``kind``, ``max_new_tokens``, ``temperature``, ``retriever`` and the workflow's own)."""
     if name not in WORKFLOWS:
-        raise ValueError(f"unknown workflow {name!r}; valid: {', '.join(sorted(WORKFLOWS))}")
+        raise ValueError(f"unknown workflow {name!r}; valid: {', '.join(WORKFLOWS.names())} "
+                         f"(or package.module:Class)")
     cls = WORKFLOWS[name]
-    valid = set(cls.__dataclass_fields__)
-    unknown = set(options) - valid
-    if unknown:
-        raise ValueError(f"workflow {name!r} has no option {sorted(unknown)}; valid: {', '.join(sorted(valid))}")
+    cls.check_options({k: v for k, v in options.items() if k not in _BASE_FIELDS})
     return cls(**options)
