@@ -378,6 +378,8 @@ def _explain(err: ValidationError, prefix: tuple = ()) -> str:
         section = _section_at(loc)
         valid = f"; valid keys: {', '.join(section.model_fields)}" if section else ""
         return f"{where}: unknown key{valid}"
+    if e["type"] == "missing":
+        return f"{where}: missing (a required key)"
     if e["type"] in _EXPECTED:
         return f"{where}: expected {_EXPECTED[e['type']]}, got {e['input']!r}"
     return f"{where}: {e['msg']} (got {e.get('input')!r})"

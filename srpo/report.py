@@ -42,6 +42,8 @@ def make_plots(run_dir: Path) -> list[Path]:
     keys = set().union(*rows)
     panels = [
         ("reward_accuracy.png", "Reward and accuracy (training episodes)", ["reward", "accuracy"], True),
+        ("heldout.png", "Held-out accuracy during training (eval.every)",
+         sorted(k for k in keys if k.startswith("eval/") and "/avg@" in k or (k.startswith("eval/") and "/pass@" in k)), False),
         ("clip_fraction_by_set_size.png", "Clip fraction by set size K",
          _by_k(keys, "clip_frac"), True),
         ("gradient_share_by_set_size.png", "Share of the loss gradient (w.r.t. log-probs) by set size K",
@@ -81,6 +83,24 @@ def make_plots(run_dir: Path) -> list[Path]:
     return paths
 
 
+def _heldout_section(run_dir: Path, rows: list[dict]) -> list[str]:
+    """A table of the held-out evaluations made during training, and the best checkpoint."""
+    evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
+    if not evals:
+        return []
+    keys = sorted({k for r in evals for k in r if k.startswith("eval/") and ("/avg@" in k or "/pass@" in k or k.endswith("/f1"))})
+    lines = ["", "## Held-out evaluation during training", "",
+             "| step | " + " | ".join(k.removeprefix("eval/") for k in keys) + " |",
+             "|---:|" + "---:|" * len(keys)]
+    for r in evals:
+        lines.append(f"| {r['step']} | " + " | ".join(f"{r[k]:.3f}" if k in r else "–" for k in keys) + " |")
+    best = Path(run_dir) / "checkpoints" / "best.json"
+    if best.is_file():
+        b = json.loads(best.read_text())
+        lines += ["", f"Best: step {b['step']} ({b['metric']} = {b['value']:.3f}), checkpoint `checkpoints/{b['checkpoint']}`."]
+    return lines + [""]
+
+
 def write_summary(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)
@@ -106,6 +126,7 @@ def write_summary(run_dir: Path) -> Path:
     for key in ("reward", "accuracy", "objective/clip_frac", "grad_norm/total", "active_set_size/mean",
                 "team_tokens", "correct_per_million_tokens", "time/step_s"):
         lines.append(f"| {key} | {mean(first, key):.4g} | {mean(last, key):.4g} |")
+    lines += _heldout_section(run_dir, rows)
     invalid = sum(r.get("events/invalid", 0) for r in rows)
     skipped = sum(r.get("nonfinite_skipped", 0) for r in rows)
     lines += ["", f"Invalid events dropped: {invalid}. Optimizer steps skipped for NaN/Inf: {skipped}.", ""]

@@ -1,7 +1,7 @@
 """Workflows: the one interface for fixed, mixed and routed teams, and the built-in workflows."""
 
-from srpo.workflows.builtins import WORKFLOWS, Workflow, build_workflow
+from srpo.workflows.builtins import WORKFLOWS, Count, Workflow, build_workflow, register_workflow
 from srpo.workflows.runtime import EpisodeContext, EpisodeResult, Output, RoleSpec, Runtime, ToolResult
 
-__all__ = ["WORKFLOWS", "EpisodeContext", "EpisodeResult", "Output", "RoleSpec", "Runtime", "ToolResult",
-           "Workflow", "build_workflow"]
+__all__ = ["WORKFLOWS", "Count", "EpisodeContext", "EpisodeResult", "Output", "RoleSpec", "Runtime", "ToolResult",
+           "Workflow", "build_workflow", "register_workflow"]
