@@ -231,9 +231,11 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return None
 
 
-# Sections that must match for a resume to make sense; the rest (steps, logging, checkpoint
-# cadence, eval settings, threads) may change between the run and its continuation.
+# Sections that must match for a resume to make sense — except ``task.eval``, the held-out sets,
+# which do not touch training; the other sections (run.steps and threads, log, checkpoint cadence,
+# eval, retriever, rollout) may change between the run and its continuation.  run.seed must match.
 RESUME_MUST_MATCH = ("model", "workflow", "task", "method", "train")
+RESUME_MAY_CHANGE = {("task", "eval")}
 
 
 def check_compatible(saved: dict, current: dict) -> None:
@@ -241,7 +243,7 @@ def check_compatible(saved: dict, current: dict) -> None:
     for section in RESUME_MUST_MATCH:
         a, b = saved.get(section, {}), current.get(section, {})
         for key in sorted(set(a) | set(b)):
-            if a.get(key) != b.get(key):
+            if (section, key) not in RESUME_MAY_CHANGE and a.get(key) != b.get(key):
                 diffs.append(f"{section}.{key}: checkpoint {a.get(key)!r} vs now {b.get(key)!r}")
     if saved.get("run", {}).get("seed") != current.get("run", {}).get("seed"):
         diffs.append(f"run.seed: checkpoint {saved['run'].get('seed')!r} vs now {current['run'].get('seed')!r}")

@@ -26,6 +26,7 @@ import random
 import time
 import warnings
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -253,7 +254,7 @@ class Trainer:
         M, T = batch.action_mask.shape
         lp = torch.zeros(M, T, device=batch.input_ids.device)
         ent = torch.zeros(M, T, device=batch.input_ids.device)
-        with torch.set_grad_enabled(grad), self.autocast():
+        with torch.set_grad_enabled(grad), self.autocast(), self._training_mode(grad and self.adapter_dropout):
             present = set(batch.policy_ids)
             if self.policies.fsdp:  # FSDP's collectives: every rank runs every policy's root
                 for pid in sorted(set(self.policies.policy_ids) - present):
@@ -287,9 +288,31 @@ class Trainer:
 
     @property
     def on_policy_single_step(self) -> bool:
-        """One optimizer step per rollout: q_old is exactly the model the update's forward runs."""
+        """One optimizer step per rollout: q_old is exactly the model the update's forward runs
+        (not with LoRA dropout on: a forward with dropout is not q_old)."""
         t = self.cfg.train
-        return self.reuse_forward_as_old and t.old_logprobs == "recompute" and t.epochs == 1 and t.minibatches == 1
+        return (self.reuse_forward_as_old and t.old_logprobs == "recompute" and t.epochs == 1 and t.minibatches == 1
+                and not self.adapter_dropout)
+
+    @property
+    def adapter_dropout(self) -> bool:
+        """LoRA dropout (``model.lora.dropout`` > 0) acts in the update's forward: the models are in
+        training mode there and in eval mode everywhere else (sampling, q_old, the reference)."""
+        return self.cfg.model.layout == "lora" and self.cfg.model.lora.dropout > 0
+
+    @contextmanager
+    def _training_mode(self, on: bool):
+        if not on:
+            yield
+            return
+        modules = self.policies.modules()
+        for m in modules:
+            m.train()
+        try:
+            yield
+        finally:
+            for m in modules:
+                m.eval()
 
     def events_to_forward(self, events: list[Event]) -> list[Event]:
         """The events whose log-probs the update needs: all of them, or (``train.skip_zero_advantage``,
@@ -325,15 +348,16 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         loss_name = self.method.loss
         device = cfg.run.device
-        acc = MetricAccumulator()
-        role_stats: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        acc = MetricAccumulator()  # the loss's metrics (prefixed objective/ below)
+        roles = MetricAccumulator()  # per-role lengths, entropy and KL (role/<role>/...)
         skipped = 0
         grad_norms: dict[str, float] = {}
         zero_skipped = 0
-        for e in events:  # lengths over every event, forwarded or not
-            for m in e.members:
-                role_stats[m.role]["length_tokens"] += m.num_action_tokens
-                role_stats[m.role]["members"] += 1
+        lengths = Metrics()
+        for role in sorted({m.role for e in events for m in e.members}):  # over every event, forwarded or not
+            ms = [m for e in events for m in e.members if m.role == role]
+            lengths.ratio(f"role/{role}/length", sum(m.num_action_tokens for m in ms), len(ms))
+        roles.add(lengths)
         for epoch in range(t.epochs):
             minibatches, _ = split_minibatches(events, t.minibatches, loss_name)
             for mb in minibatches:
@@ -373,29 +397,23 @@ class Trainer:
                     total_loss += loss.detach().cpu()
                     acc.add(metrics)
                     if want_entropy:
-                        self._role_stats(batch, lp.detach(), ent, ref, role_stats)
+                        roles.add(self._role_stats(batch, lp.detach(), ent, ref))
                 skipped += self._optimizer_step(total_loss, grad_norms)
                 acc.end_optimizer_step()
                 step_loss = Metrics()
                 step_loss.per_step("loss", total_loss)  # this rank's part: all_reduce sums the parts
                 acc.add(step_loss)
         acc.all_reduce()
+        roles.all_reduce()
         out = {(k if k.startswith("by_k/") else f"objective/{k}"): v for k, v in acc.result().items()}
         out["loss"] = out.pop("objective/loss", 0.0)
+        out.update(roles.result())
         out.update({f"grad_norm/{pid}": v for pid, v in grad_norms.items()})
         if grad_norms:
             out["grad_norm/total"] = math.sqrt(sum(v * v for v in grad_norms.values()))
         out["nonfinite_skipped"] = skipped
-        out["update/zero_advantage_skipped"] = zero_skipped / max(t.epochs, 1)  # events per pass
-        for role, s in role_stats.items():
-            out[f"role/{role}/length"] = s["length_tokens"] / max(s["members"], 1)
-            n = s["tokens"]
-            if n == 0:  # no event of this role was forwarded (all skipped): nothing was measured
-                continue
-            out[f"role/{role}/entropy"] = s["entropy"] / n
-            out[f"role/{role}/approx_kl"] = s["kl_old"] / n
-            if "kl_ref" in s:
-                out[f"role/{role}/ref_kl"] = s["kl_ref"] / n
+        # Events per pass, summed over ranks.
+        out["update/zero_advantage_skipped"] = self.dist.sum_int(zero_skipped) / max(t.epochs, 1)
         return out
 
     def _idle_pass(self, *, grad: bool) -> None:
@@ -408,18 +426,27 @@ class Trainer:
         if grad:
             idle.backward()
 
-    def _role_stats(self, batch, lp, ent, ref, stats):
+    def _role_stats(self, batch, lp, ent, ref) -> Metrics:
+        """Per role, per action token of the forwarded events: entropy, KL to q_old (k3), and KL
+        to the reference when there is one.  A role none of whose events was forwarded reports
+        nothing (nothing was measured)."""
         mask = batch.action_mask.to(lp.device)
         d = (lp - batch.old_logprobs.to(lp.device)) * mask
         kl_old = (torch.exp(d) - 1 - d) * mask
-        for i, role in enumerate(batch.roles):
-            s = stats[role]
-            s["tokens"] += float(mask[i].sum())
-            s["entropy"] += float((ent[i] * mask[i]).sum())
-            s["kl_old"] += float(kl_old[i].sum())
-            if ref is not None:
-                delta = (ref[i] - lp[i]) * mask[i]
-                s["kl_ref"] += float(((torch.exp(delta) - delta - 1) * mask[i]).sum())
+        kl_ref = None
+        if ref is not None:
+            delta = (ref - lp) * mask
+            kl_ref = (torch.exp(delta) - delta - 1) * mask
+        m = Metrics()
+        roles = batch.roles
+        for role in sorted(set(roles)):
+            rows = torch.tensor([i for i, r in enumerate(roles) if r == role], device=lp.device)
+            tokens = mask[rows].sum()
+            m.ratio(f"role/{role}/entropy", (ent[rows] * mask[rows]).sum(), tokens)
+            m.ratio(f"role/{role}/approx_kl", kl_old[rows].sum(), tokens)
+            if kl_ref is not None:
+                m.ratio(f"role/{role}/ref_kl", kl_ref[rows].sum(), tokens)
+        return m
 
     def _optimizer_step(self, loss: torch.Tensor, grad_norms: dict[str, float]) -> int:
         """Sum gradients across ranks, check them, clip and step each policy; 1 if skipped."""
@@ -534,44 +561,44 @@ class Trainer:
         return out
 
     def _episode_metrics(self, episodes: list[EpisodeResult], valid: list[Event], dropped: int) -> dict[str, Any]:
-        rewards = [ep.reward for ep in episodes]
-        correct = [float(ep.reward >= 1.0) for ep in episodes]
+        """The step's rollout, over every rank's episodes (each metric combined as it declares)."""
+        m = Metrics()
         tokens = sum(ep.generated_tokens for ep in episodes)
-        n_correct = sum(correct)
-        # Counters are summed over ranks so the log describes the global step.
-        tokens_all, correct_all = self.dist.sum_int(tokens), self.dist.sum_int(int(n_correct))
-        n_all = self.dist.sum_int(len(episodes))
-        reward_sum = float(self.dist.sum_(torch.tensor([sum(rewards)], dtype=torch.float64)).item())
-        self.totals["tokens"] += tokens_all
-        self.totals["correct"] += correct_all
-        self.totals["episodes"] += n_all
-        out = {
-            "reward": reward_sum / max(n_all, 1),
-            "accuracy": correct_all / max(n_all, 1),
-            "episodes": n_all,
-            "team_tokens": tokens_all,
-            "correct_per_million_tokens": 1e6 * correct_all / max(tokens_all, 1),
-            "cum/correct_per_million_tokens": 1e6 * self.totals["correct"] / max(self.totals["tokens"], 1),
-            "events/valid": self.dist.sum_int(len(valid)),
-            "events/invalid": self.dist.sum_int(dropped),
-            "active_set_size/mean": float(np.mean([e.size for e in valid])) if valid else 0.0,
-            "truncated_fraction": float(np.mean([m.truncated for e in valid for m in e.members])) if valid else 0.0,
-        }
+        correct = sum(float(ep.reward >= 1.0) for ep in episodes)
+        m.ratio("reward", sum(ep.reward for ep in episodes), len(episodes))
+        m.ratio("accuracy", correct, len(episodes))
+        m.sum("episodes", len(episodes))
+        m.sum("team_tokens", tokens)
+        m.sum("correct", correct)
+        m.sum("events/valid", len(valid))
+        m.sum("events/invalid", dropped)
+        m.ratio("active_set_size/mean", sum(e.size for e in valid), len(valid))
+        members = [mem for e in valid for mem in e.members]
+        m.ratio("truncated_fraction", sum(mem.truncated for mem in members), len(members))
         by_type = defaultdict(list)
         for e in valid:
             by_type[e.event_type].append(e.size)
-        for k, sizes in by_type.items():
-            out[f"active_set_size/{k}"] = float(np.mean(sizes))
+        for kind, sizes in by_type.items():
+            m.ratio(f"active_set_size/{kind}", sum(sizes), len(sizes))
         info = defaultdict(float)
         for ep in episodes:
             for k, v in ep.info.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    info[k] += v
-                elif isinstance(v, bool):
+                if isinstance(v, (int, float)):
                     info[k] += float(v)
         for k, v in info.items():
-            out[f"episodes/{k}" if k != "router_set_size" else "router_set_size/mean"] = (
-                v / len(episodes) if k == "router_set_size" else v)
+            if k == "router_set_size":  # a per-episode size: its mean over episodes
+                m.ratio("router_set_size/mean", v, len(episodes))
+            else:  # counters (fallbacks, tool failures, ...): summed over episodes and ranks
+                m.sum(f"episodes/{k}", v)
+        acc = MetricAccumulator()
+        acc.add(m)
+        acc.all_reduce()
+        out = acc.result()
+        self.totals["tokens"] += out["team_tokens"]
+        self.totals["correct"] += out["correct"]
+        self.totals["episodes"] += out["episodes"]
+        out["correct_per_million_tokens"] = 1e6 * out.pop("correct") / max(out["team_tokens"], 1)
+        out["cum/correct_per_million_tokens"] = 1e6 * self.totals["correct"] / max(self.totals["tokens"], 1)
         return out
 
     # ------------------------------------------------------------------------------ checkpoints
@@ -791,19 +818,23 @@ class RolloutMismatch:
         self.max_abs = worst if self.max_abs is None else max(self.max_abs, worst)
 
     def metrics(self) -> dict[str, float]:
-        out = {}
+        """Over every rank's tokens (a collective under data parallelism: every rank calls it)."""
+        m = Metrics()
         total = [0.0, 0.0, 0.0]
         for role, (abs_sum, n, above) in self.sums.items():
-            if n:
-                out[f"role/{role}/mismatch_mean_abs"] = abs_sum / n
-                out[f"role/{role}/mismatch_frac_above_0.1"] = above / n
+            m.ratio(f"role/{role}/mismatch_mean_abs", abs_sum, n)
+            m.ratio(f"role/{role}/mismatch_frac_above_0.1", above, n)
             total = [a + b for a, b in zip(total, (abs_sum, n, above))]
-        if total[1]:
-            out["mismatch/mean_abs"] = total[0] / total[1]
-            out["mismatch/frac_above_0.1"] = total[2] / total[1]
+        m.ratio("mismatch/mean_abs", total[0], total[1])
+        m.ratio("mismatch/frac_above_0.1", total[2], total[1])
         if self.max_abs is not None:
-            out["old_vs_behaviour_max_abs"] = self.max_abs
-        return out
+            m.max("old_vs_behaviour_max_abs", torch.tensor([self.max_abs]))
+        acc = MetricAccumulator()
+        acc.add(m)
+        acc.all_reduce()
+        # Nothing is reported for what nothing was measured on (a role, or the whole step).
+        measured = {k for k, (num, den) in ((k, v) for k, v in acc.totals.items() if acc.kinds[k] == "ratio") if den}
+        return {k: v for k, v in acc.result().items() if acc.kinds[k] != "ratio" or k in measured}
 
 
 def _episode_record(ep: EpisodeResult) -> dict[str, Any]:

@@ -374,3 +374,34 @@ def test_member_level_methods_report_by_the_transition_k(tmp_path):
     metrics = trainer.fit()[-1]
     assert "by_k/clip_frac/k2" in metrics and "by_k/grad_share/k2" in metrics
     assert metrics["by_k/grad_share/k1"] + metrics["by_k/grad_share/k2"] == pytest.approx(1.0)
+
+
+def test_lora_dropout_acts_in_the_update_forward_only(tmp_path):
+    """model.lora.dropout was once a no-op (models always in eval mode)."""
+    from srpo.events import collate, validate_events
+    from srpo.methods import assign_advantages
+
+    def forwards(dropout):
+        cfg = load_config(None, tiny(tmp_path / f"d{dropout}", "model.layout=lora", "model.lora.r=4",
+                                     f"model.lora.dropout={dropout}", "workflow.name=parallel_aggregate",
+                                     "workflow.options={num_workers: 2}"))
+        trainer = Trainer(cfg, progress=False, reward_fn=varied_reward)
+        with torch.no_grad():  # LoRA B starts at zero: give the adapters a path that dropout can cut
+            for name, p in trainer.policies.model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.5)
+        episodes = trainer.rollout(trainer.next_tasks())
+        events = assign_advantages(validate_events([e for ep in episodes for e in ep.events])[0], "srpo")
+        batch = collate(events, trainer.policies.tokenizer.pad_token_id)
+        grad = [trainer._batch_logprobs(batch, grad=True).detach() for _ in range(2)]
+        nograd = [trainer._batch_logprobs(batch, grad=False) for _ in range(2)]
+        single_step = trainer.on_policy_single_step
+        trainer.close()
+        return grad, nograd, single_step
+
+    grad, nograd, single_step = forwards(0.5)
+    assert not torch.equal(grad[0], grad[1])  # dropout acts in the update's forward ...
+    assert torch.equal(nograd[0], nograd[1])  # ... and nowhere else (q_old, sampling)
+    assert not single_step  # the update's forward is not q_old, so it is not reused as q_old
+    grad, _, single_step = forwards(0.0)
+    assert torch.equal(grad[0], grad[1]) and single_step

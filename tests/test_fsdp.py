@@ -66,6 +66,12 @@ def srpo_train(run, steps, extra=()):
 def test_a_checkpoint_of_two_processes_resumes_in_one_and_in_two(tmp_path):
     run = tmp_path / "run"
     check(torchrun(2, *srpo_train(run, 2)))
+    import json
+
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:  # counters describe the global step (2 tasks × 2 episodes over both ranks), not rank 0's share
+        assert r["episodes"] == 4 and r["events/valid"] == 8, r  # 2 events (workers K=2, aggregator) per episode
+        assert r["objective/num_events"] == 8 and r["role/aggregator/length"] > 0
     saved = run / "checkpoints" / "step_0000002"
     assert (saved / "dcp").is_dir() and (saved / "model" / "shared" / "model.safetensors").is_file()
     from safetensors.torch import load_file

@@ -12,8 +12,10 @@ Three layouts share one interface, :class:`PolicySet`:
 Every policy has the list of parameters its optimizer updates and a version number that goes up
 with each optimizer step; members record the version they were sampled with.
 
-Models stay in eval mode throughout (no dropout), so the log-probs recomputed for the update
-equal the behaviour log-probs while the weights have not moved; gradients flow in eval mode.
+Models stay in eval mode (no dropout), so the log-probs recomputed for the update equal the
+behaviour log-probs while the weights have not moved; gradients flow in eval mode.  The one
+exception is LoRA dropout (``model.lora.dropout`` > 0): the trainer switches the models to training
+mode for the update's gradient forward only, where the dropout acts.
 """
 
 from __future__ import annotations
