@@ -188,3 +188,53 @@ def plot_study(root: Path, records: list[dict], k: int) -> Path | None:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+MECHANISM_PANELS = (
+    ("clip_frac", "clip fraction of its update units"),
+    ("weight_per_transition", "gradient weight per transition\n(share of gradient / share of transitions)"),
+    ("unit_log_ratio_std", "std of the clipped log-ratio\n(per unit: set, token or member)"),
+)
+
+
+def plot_mechanism(root: Path, mech: dict) -> Path | None:
+    """``root/mechanism.png``: the paper's cardinality argument, measured.  Top row: per set size
+    K, each method's clip fraction, gradient weight per K-transition and spread of the log-ratio it
+    clips (mean ± SE over seeds of the per-run means over steps).  Bottom row: the same three over
+    training for the largest K, averaged over seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [lab for lab, by_k in mech.items() if by_k]
+    if not labels:
+        return None
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    k_max = max(int(K) for lab in labels for K in mech[lab])
+    for col, (metric, title) in enumerate(MECHANISM_PANELS):
+        top, bottom = axes[0][col], axes[1][col]
+        for lab in labels:
+            ks = [int(K) for K in mech[lab] if metric in mech[lab][K]]
+            if not ks:
+                continue
+            means = [mech[lab][str(K)][metric]["mean"] for K in ks]
+            ses = [mech[lab][str(K)][metric]["se"] for K in ks]
+            top.errorbar(ks, means, yerr=[s if s == s else 0.0 for s in ses], marker="o", capsize=3, label=lab)
+            series = mech[lab].get(str(k_max), {}).get("by_step", {}).get(metric, {})
+            if series:
+                xs = sorted(int(s) for s in series)
+                bottom.plot(xs, [series[str(x)] if str(x) in series else series[x] for x in xs], marker=".", label=lab)
+        top.set_xlabel("set size K")
+        top.set_title(title, fontsize=10)
+        top.grid(alpha=0.3)
+        bottom.set_xlabel("step")
+        bottom.set_title(f"{title.splitlines()[0]}, K = {k_max}, over training", fontsize=10)
+        bottom.grid(alpha=0.3)
+    axes[0][1].axhline(1.0, color="grey", lw=0.8, ls="--")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    out = Path(root) / "mechanism.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

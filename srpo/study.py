@@ -85,6 +85,9 @@ class StudySpec(Section):
     """Also evaluate each distinct workflow's starting point (once, untrained)."""
     keep_checkpoints: bool = True
     """false: delete a cell's checkpoints once it is evaluated (cell.json and the logs stay)."""
+    baseline: str = ""
+    """A cell label (e.g. grpo): every other cell's held-out macro avg@k is compared with it seed by
+    seed — paired differences, their mean, standard error and 95% confidence interval."""
 
 
 def load_study(path: str | Path) -> dict:
@@ -324,24 +327,152 @@ def run_study(path: str | Path, progress: bool = True, only: int | None = None) 
     return root / "results.md"
 
 
+# Two-sided 95% quantiles of Student's t by degrees of freedom (beyond 30: the normal's 1.96).
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+       11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
+       20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048,
+       29: 2.045, 30: 2.042}
+
+
+def paired_differences(records: list[dict], baseline: str, metric: str) -> dict[str, dict[str, Any]]:
+    """Per cell label: the seed-by-seed difference of ``metric`` (a key of ``eval.macro``) from the
+    ``baseline`` cell on the seeds both finished — mean, standard error, 95% t interval, and
+    whether that interval excludes 0.  Pairing (the same seed for both) removes the variance the
+    cells share: task order, first rollout, evaluation draws."""
+    base = {r["seed"]: r["eval"]["macro"][metric] for r in records if r["label"] == baseline}
+    out = {}
+    for label in dict.fromkeys(r["label"] for r in records):
+        if label == baseline or label.startswith("untrained"):
+            continue
+        diffs = [r["eval"]["macro"][metric] - base[r["seed"]] for r in records
+                 if r["label"] == label and r["seed"] in base]
+        if not diffs:
+            continue
+        mean, se = mean_se(diffs)
+        half = T95.get(len(diffs) - 1, 1.96) * se if len(diffs) > 1 else float("nan")
+        out[label] = {"n": len(diffs), "seeds": sorted(r["seed"] for r in records if r["label"] == label and r["seed"] in base),
+                      "mean": mean, "se": se, "ci95": [mean - half, mean + half],
+                      "significant": bool(len(diffs) > 1 and (mean - half > 0 or mean + half < 0))}
+    return out
+
+
+def paired_table(diffs: dict[str, dict[str, Any]], baseline: str, metric: str) -> str:
+    lines = [f"Paired differences in held-out macro {metric} against `{baseline}` (same seeds; 95% t interval):", "",
+             "| cell | seeds | mean difference | SE | 95% CI | significant at 5% |", "|---|---:|---:|---:|---|---|"]
+    for label, d in diffs.items():
+        lo, hi = d["ci95"]
+        lines.append(f"| {label} | {d['n']} | {d['mean']:+.3f} | {d['se']:.3f} | [{lo:+.3f}, {hi:+.3f}] | "
+                     f"{'yes' if d['significant'] else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+BY_K = ("clip_frac", "grad_share", "set_log_ratio_std", "unit_log_ratio_std", "events")
+
+
+def mechanism(root: Path, records: list[dict]) -> dict[str, Any]:
+    """Per cell label and set size K, from every seed's metrics.jsonl: the mean over steps of the
+    clip fraction, the gradient share, the spreads of the set and clipped log-ratios, and the
+    gradient share per transition relative to an average transition (``weight_per_transition``:
+    share of the gradient / share of the transitions; 1 = every transition weighs the same).
+    Mean ± SE over seeds; also the per-step means over seeds (``by_step``)."""
+    from srpo.methods import METHODS
+
+    out: dict[str, Any] = {}
+    for label in dict.fromkeys(r["label"] for r in records if not r["label"].startswith("untrained")):
+        seeds = [r for r in records if r["label"] == label]
+        per_seed: dict[int, dict[str, list[float]]] = {}
+        steps: dict[int, dict[str, dict[int, list[float]]]] = {}
+        name = seeds[0]["overrides"].get("method.name") or \
+            seeds[0].get("recipe", {}).get("base_config", {}).get("method", {}).get("name", "srpo")
+        split = METHODS[name].per_member  # its events are members: a K-transition counts K times
+        for r in seeds:
+            rows = read_metrics(root / label / f"seed{r['seed']}")
+            for row in rows:
+                ks = sorted({int(k.rsplit("/k", 1)[1]) for k in row if k.startswith("by_k/events/k")})
+                transitions = {K: row[f"by_k/events/k{K}"] / (K if split else 1) for K in ks}
+                total = sum(transitions.values()) or 1.0
+                for K in ks:
+                    values = {m: row.get(f"by_k/{m}/k{K}") for m in BY_K}
+                    if values["grad_share"] is not None and transitions[K]:
+                        values["weight_per_transition"] = values["grad_share"] / (transitions[K] / total)
+                    for m, v in values.items():
+                        if v is None:
+                            continue
+                        per_seed.setdefault(K, {}).setdefault(f"{m}@{r['seed']}", []).append(v)
+                        steps.setdefault(K, {}).setdefault(m, {}).setdefault(row["step"], []).append(v)
+        cell: dict[str, Any] = {}
+        for K, series in per_seed.items():
+            stats = {}
+            for m in (*BY_K, "weight_per_transition"):
+                seed_means = [sum(v) / len(v) for key, v in series.items() if key.split("@")[0] == m and v]
+                if seed_means:
+                    mean, se = mean_se(seed_means)
+                    stats[m] = {"mean": mean, "se": se, "seeds": len(seed_means)}
+            stats["by_step"] = {m: {s: sum(v) / len(v) for s, v in sorted(by.items())} for m, by in steps[K].items()}
+            cell[str(K)] = stats
+        out[label] = dict(sorted(cell.items(), key=lambda kv: int(kv[0])))
+    return out
+
+
+def pairing_check(root: Path, records: list[dict]) -> dict[str, Any]:
+    """Whether one seed gave every cell of one workflow the same first rollout: the step-1
+    training reward of every trained cell, per seed (equal within a workflow when paired)."""
+    out: dict[str, dict[str, float]] = {}
+    for r in records:
+        if r["label"].startswith("untrained"):
+            continue
+        rows = read_metrics(root / r["label"] / f"seed{r['seed']}")
+        if rows:
+            out.setdefault(str(r["seed"]), {})[r["label"]] = rows[0].get("reward")
+    return out
+
+
 def write_results(root: Path, records: list[dict], spec: dict) -> None:
     k = spec["eval"].get("k", 4)
     text, table = summarize(records, k)
+    extra: dict[str, Any] = {}
+    baseline = spec.get("baseline")
+    if baseline and any(r["label"] == baseline for r in records):
+        extra["paired"] = {m: paired_differences(records, baseline, m) for m in (f"avg@{k}", f"pass@{k}")}
+        text += "\n" + paired_table(extra["paired"][f"avg@{k}"], baseline, f"avg@{k}")
+    extra["mechanism"] = mechanism(root, records)
+    extra["first_rollout_reward"] = pairing_check(root, records)
     (root / "results.md").write_text(f"# Study: {root.name}\n\n{spec.get('description', '')}\n\n{text}")
-    (root / "results.json").write_text(json.dumps({"table": table, "cells": records}, indent=1, default=str))
-    from srpo.report import plot_study
+    (root / "results.json").write_text(json.dumps({"table": table, **extra, "cells": records}, indent=1, default=str))
+    from srpo.report import plot_mechanism, plot_study
 
     plot_study(root, records, k)
+    if any(extra["mechanism"].values()):
+        plot_mechanism(root, extra["mechanism"])
+
+
+def summarize_study(path: str | Path) -> Path:
+    """Rewrite results.md/json/png from the cells a study has finished, running nothing."""
+    spec = load_study(path)
+    root = Path(spec["output_dir"])
+    records = []
+    for cell in cells(spec):
+        done = root / cell["label"] / f"seed{cell['seed']}" / "cell.json"
+        if done.is_file():
+            records.append(json.loads(done.read_text()))
+    untrained = sorted(root.glob("untrained */seed*/cell.json"))
+    records = [json.loads(p.read_text()) for p in untrained] + records
+    if not records:
+        raise ConfigError(f"{root}: no finished cells to summarize")
+    write_results(root, records, spec)
+    return root / "results.md"
 
 
 def add_study_parser(sub) -> None:
     p = sub.add_parser("study", help="methods × workflows × tasks × seeds: train, evaluate, tabulate (resumable)")
     p.add_argument("--config", required=True, help="a study file (see configs/studies/)")
     p.add_argument("--only", type=int, default=None, help="run only the first N cells")
+    p.add_argument("--summarize", action="store_true",
+                   help="only rewrite results.md/json/png from the cells already finished (runs nothing)")
     p.set_defaults(func=_study)
 
 
 def _study(args) -> int:
-    out = run_study(args.config, only=args.only)
+    out = summarize_study(args.config) if args.summarize else run_study(args.config, only=args.only)
     print(f"results: {out}")
     return 0

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 import yaml
 
 from srpo.config import ConfigError
@@ -59,3 +60,48 @@ def test_study_runs_tabulates_and_resumes(tmp_path, monkeypatch):
     study.write_text(yaml.safe_dump(spec))
     with pytest.raises(ConfigError, match="different recipe or evaluation"):
         run_study(study, progress=False)
+
+
+def _record(label, seed, avg, method="srpo"):
+    return {"label": label, "seed": seed, "overrides": {"method.name": method},
+            "eval": {"datasets": {}, "macro": {"avg@2": avg, "pass@2": avg}}}
+
+
+def test_paired_differences_against_the_baseline():
+    from srpo.study import T95, paired_differences
+
+    base = [0.50, 0.40, 0.60, 0.55, 0.45]
+    gain = [0.10, 0.12, 0.08, 0.11, 0.09]   # a consistent gain: small SE once paired
+    noise = [0.20, -0.25, 0.15, -0.10, 0.05]
+    records = [_record("grpo", s, b) for s, b in enumerate(base)]
+    records += [_record("srpo", s, b + g) for s, (b, g) in enumerate(zip(base, gain))]
+    records += [_record("gspo", s, b + n) for s, (b, n) in enumerate(zip(base, noise))]
+    records += [_record("dr_mas", 0, 0.9)]  # one seed: no interval
+    records += [_record("untrained (x)", 0, 0.1)]
+    out = paired_differences(records, "grpo", "avg@2")
+    assert set(out) == {"srpo", "gspo", "dr_mas"}
+    s = out["srpo"]
+    sd = torch.tensor(gain, dtype=torch.float64).std().item()
+    assert s["n"] == 5 and s["mean"] == pytest.approx(0.10) and s["se"] == pytest.approx(sd / 5 ** 0.5)
+    assert s["ci95"][0] == pytest.approx(0.10 - T95[4] * s["se"]) and s["significant"]
+    assert not out["gspo"]["significant"] and out["gspo"]["ci95"][0] < 0 < out["gspo"]["ci95"][1]
+    assert out["dr_mas"]["n"] == 1 and not out["dr_mas"]["significant"]
+
+
+def test_mechanism_reads_by_k_metrics_per_seed(tmp_path):
+    from srpo.study import mechanism
+
+    for seed, clip in ((0, 0.1), (1, 0.3)):
+        run = tmp_path / "dr_mas" / f"seed{seed}"
+        run.mkdir(parents=True)
+        rows = [{"step": step, "by_k/events/k1": 4, "by_k/events/k3": 6,  # dr_mas: members (2 K=3 transitions)
+                 "by_k/clip_frac/k1": 0.0, "by_k/clip_frac/k3": clip,
+                 "by_k/grad_share/k1": 0.25, "by_k/grad_share/k3": 0.75} for step in (1, 2)]
+        (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    records = [_record("dr_mas", 0, 0.5, "dr_mas"), _record("dr_mas", 1, 0.5, "dr_mas")]
+    mech = mechanism(tmp_path, records)["dr_mas"]
+    assert mech["3"]["clip_frac"]["mean"] == pytest.approx(0.2) and mech["3"]["clip_frac"]["seeds"] == 2
+    # 4 K=1 transitions and 2 K=3 ones: K=3 holds 1/3 of the transitions and 3/4 of the gradient.
+    assert mech["3"]["weight_per_transition"]["mean"] == pytest.approx(0.75 / (2 / 6))
+    assert mech["1"]["weight_per_transition"]["mean"] == pytest.approx(0.25 / (4 / 6))
+    assert mech["3"]["by_step"]["clip_frac"] == {1: pytest.approx(0.2), 2: pytest.approx(0.2)}
