@@ -123,7 +123,7 @@ def _eval(args) -> int:
         if len(kinds) > 1:
             raise UsageError(f"--data mixes task kinds ({', '.join(sorted(kinds))}); evaluate them separately, "
                              f"each with its --kind")
-        kind = kinds.pop() if kinds else "math"
+        kind = kinds.pop() if kinds else "math"  # hub datasets cannot be looked at before loading: the default kind
     checkpoint = _checkpoint_for_eval(args.model)
     if checkpoint is not None:  # a training checkpoint: rebuild its layout and load its weights
         data = build.checkpoint_config(checkpoint)

@@ -1,7 +1,7 @@
 """Evaluation: k samples per problem through the workflow; avg@k, pass@k, macro-averages.
 
-Accuracy is correctness (1 = correct answer; exact match for QA) whatever reward trained the model;
-QA datasets also report mean token F1.  avg@k is the mean over problems of
+Accuracy is correctness under the task kind's grader (1 = correct answer; exact match for QA)
+whatever reward trained the model; a kind's extra metrics are reported too (QA: mean token F1).  avg@k is the mean over problems of
 the fraction of the k samples that are correct; pass@k the unbiased estimate with n = k (any of
 the k correct).  Standard errors are over problems.
 """
@@ -19,7 +19,8 @@ import torch
 
 from srpo.tasks.base import Task
 from srpo.tasks.metrics import avg_at_k, macro_average, pass_at_k
-from srpo.tasks.rewards import qa_f1_reward, task_reward
+from srpo.tasks.kinds import task_kind
+from srpo.tasks.rewards import task_reward
 from srpo.workflows.runtime import Runtime
 
 
@@ -60,8 +61,9 @@ def evaluate(policies, workflow, role_specs, datasets: dict[str, list[Task]], *,
             f"avg@{k}_stderr": float(np.std(avgs, ddof=1) / math.sqrt(len(avgs))) if len(avgs) > 1 else 0.0,
             f"pass@{k}": float(np.mean(passes)),
             f"pass@{k}_stderr": float(np.std(passes, ddof=1) / math.sqrt(len(passes))) if len(passes) > 1 else 0.0,
-            **({"f1": float(np.mean([qa_f1_reward(ep.task, ep.answer) for ep in episodes]))}
-               if tasks and tasks[0].kind == "qa" else {}),
+            # The task kind's extra metrics (QA: token F1), averaged over episodes.
+            **({metric: float(np.mean([fn(ep.task, ep.answer) for ep in episodes]))
+                for metric, fn in task_kind(tasks[0].kind).eval_metrics.items()} if tasks else {}),
             "team_tokens": tokens,
             "correct_per_million_tokens": 1e6 * correct / max(tokens, 1),
             "examples": [{"question": episodes[i * k].task.question, "gold": list(episodes[i * k].task.answers),

@@ -98,7 +98,7 @@ def varied_reward(task, answer):
 def tiny(run_dir, extra=()):
     return [f"run.output_dir={run_dir}", "run.steps=3", "model.name=tiny-llama", "workflow.max_new_tokens=6",
             "train.tasks_per_step=2", "train.group_size=2", "train.lr=0.01", "task.train.n=8",
-            "checkpoint.every=1", "log.tensorboard=false", "model.autocast_bf16=false", *extra]
+            "checkpoint.every=1", "log.tensorboard=false", "model.autocast_bf16=false", "eval.every=0", *extra]
 
 
 def cli_train(run_dir, extra=(), flags=()):

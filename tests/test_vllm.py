@@ -107,7 +107,8 @@ def test_a_team_trains_a_step_on_the_vllm_engine(tmp_path):
         f"run.output_dir={tmp_path}", "run.steps=1", "model.name=smollm2-135m", "model.autocast_bf16=false",
         "workflow.options={num_workers: 2}", "workflow.max_new_tokens=24", "train.tasks_per_step=2",
         "train.group_size=2", "task.train.n=4", "log.tensorboard=false", "rollout.engine=vllm",
-        "rollout.gpu_memory_utilization=0.1", "train.tis_cap=2.0", "train.skip_zero_advantage=false"])
+        "rollout.gpu_memory_utilization=0.1", "train.tis_cap=2.0", "train.skip_zero_advantage=false",
+        "eval.n=4", "eval.k=2"])  # the config evaluates after the last step: through the engine too
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"  # as SETTINGS, for the engine the trainer starts
     trainer = Trainer(cfg, progress=False, reward_fn=lambda task, answer: float(len(answer or "") % 3) / 2)
     try:
@@ -116,5 +117,6 @@ def test_a_team_trains_a_step_on_the_vllm_engine(tmp_path):
         assert metrics["episodes"] == 4 and metrics["events/valid"] > 0
         assert metrics["mismatch/mean_abs"] < TOL and metrics["objective/tis/weight_mean"] == pytest.approx(1, abs=0.05)
         assert any(not torch.equal(a, b) for a, b in zip(before, trainer.policies.parameters("shared")))
+        assert 0 <= metrics["eval/arith-heldout/avg@2"] <= 1  # held-out evaluation ran on the engine
     finally:
         trainer.close()

@@ -13,8 +13,3 @@ def task_reward(task: Task, answer: str) -> float:
     return task_kind(task.kind).grade(task, answer)
 
 
-def qa_f1_reward(task: Task, answer: str) -> float:
-    """QA: token F1 of the ``<answer>`` content (or the whole text) against the best gold answer."""
-    if task.kind != "qa":
-        raise ValueError(f"the f1 reward is for QA tasks, not {task.kind!r}")
-    return task_kind("qa").rewards["f1"](task, answer)
