@@ -22,6 +22,13 @@ def _smooth(ys, window=5):
     return out
 
 
+def _heldout_keys(keys) -> list[str]:
+    """``eval/<set>/avg@k`` and ``pass@k`` curves (the macro average too when there are several sets)."""
+    found = sorted(k for k in keys if k.startswith("eval/") and ("/avg@" in k or "/pass@" in k))
+    sets = {k.split("/")[1] for k in found} - {"macro"}
+    return [k for k in found if len(sets) > 1 or not k.startswith("eval/macro/")]
+
+
 def _by_k(keys, metric: str) -> list[str]:
     """``by_k/<metric>/k{K}`` keys in order of K (runs before 2026-11-30 logged ``clip_frac/k{K}``)."""
     found = [k for k in keys if k.startswith(f"by_k/{metric}/k") or (metric == "clip_frac" and k.startswith("clip_frac/k"))]
@@ -42,8 +49,7 @@ def make_plots(run_dir: Path) -> list[Path]:
     keys = set().union(*rows)
     panels = [
         ("reward_accuracy.png", "Reward and accuracy (training episodes)", ["reward", "accuracy"], True),
-        ("heldout.png", "Held-out accuracy during training (eval.every)",
-         sorted(k for k in keys if k.startswith("eval/") and "/avg@" in k or (k.startswith("eval/") and "/pass@" in k)), False),
+        ("heldout.png", "Held-out accuracy during training (eval.every)", _heldout_keys(keys), False),
         ("clip_fraction_by_set_size.png", "Clip fraction by set size K",
          _by_k(keys, "clip_frac"), True),
         ("gradient_share_by_set_size.png", "Share of the loss gradient (w.r.t. log-probs) by set size K",
@@ -68,7 +74,8 @@ def make_plots(run_dir: Path) -> list[Path]:
             xs, ys = _series(rows, key)
             if not xs:
                 continue
-            line, = ax.plot(xs, ys, alpha=0.35 if smooth and len(ys) > 5 else 1.0, label=key if not smooth or len(ys) <= 5 else None)
+            line, = ax.plot(xs, ys, alpha=0.35 if smooth and len(ys) > 5 else 1.0, marker="o" if len(ys) <= 12 else None,
+                            markersize=3, label=key if not smooth or len(ys) <= 5 else None)
             if smooth and len(ys) > 5:
                 ax.plot(xs, _smooth(ys), color=line.get_color(), label=f"{key} (5-step mean)")
         ax.set_title(title)
