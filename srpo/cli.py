@@ -166,6 +166,18 @@ def _eval(args) -> int:
     return 0
 
 
+def _sft(args) -> int:
+    from srpo.config import load_config
+    from srpo.sft import check_sft_config, run_sft
+
+    cfg = load_config(args.config, args.set)
+    check_sft_config(cfg)  # before any model loads
+    model = run_sft(cfg)
+    print(f"done: fine-tuned weights in {model}; start RL from them with --set model.init_from={model} "
+          f"(same model.layout: {cfg.model.layout})")
+    return 0
+
+
 def _demo(args) -> int:
     from srpo.demo import run_demo
 
@@ -256,6 +268,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="delete a previous run's metrics, samples, checkpoints and TensorBoard logs in run.output_dir")
     p.set_defaults(func=_train)
+
+    p = sub.add_parser("sft", help="supervised warm start of every role from transcripts (a file or a script)")
+    p.add_argument("--config", required=True, help="the run config (model, layout, workflow, prompts) and its sft: section")
+    p.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="override config fields, e.g. sft.script=srpo.tasks.scripts:search_team sft.episodes=300")
+    p.set_defaults(func=_sft)
 
     p = sub.add_parser("eval", help="avg@k / pass@k of a model or checkpoint in a workflow")
     p.add_argument("--model", required=True, help="registered name, HF path/id, or a run's checkpoint folder")

@@ -89,6 +89,9 @@ class ModelConfig(Section):
     """lora/separate: policy id → roles it serves (default: one policy per role)."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
     """Adapter settings for model.layout: lora."""
+    init_from: str = ""
+    """Start from these weights instead of the pretrained ones: the ``model`` folder ``srpo sft``
+    writes (or a checkpoint's), saved with the same layout ('': the pretrained model)."""
 
 
 class RoleOverride(Section):
@@ -259,6 +262,26 @@ class LogConfig(Section):
         return [b for b in self.backends if self.tensorboard or b != "tensorboard"]
 
 
+class SftConfig(Section):
+    data: str = ""
+    """Transcripts jsonl to learn from (see srpo.sft); or leave empty and give ``script``."""
+    script: str = ""
+    """package.module:function ``fn(role, prompt, task) -> str`` that answers for every role;
+    srpo runs the workflow with it to make transcripts (e.g. srpo.tasks.scripts:search_team)."""
+    episodes: int = 200
+    """Scripted episodes to run (training tasks in a seeded order)."""
+    min_reward: Float = 1.0
+    """Keep only scripted episodes whose reward reaches this."""
+    epochs: int = 2
+    """Passes over the transcripts."""
+    lr: Float = 2.0e-5
+    """AdamW learning rate of the fine-tuning."""
+    batch_size: int = 16
+    """Turns per optimizer step."""
+    output_dir: str = "runs/sft"
+    """Where the fine-tuned weights (``model/``), the transcripts used and the loss log go."""
+
+
 class CheckpointConfig(Section):
     every: int = 10
     """Steps between checkpoints (0: only at the end)."""
@@ -324,6 +347,8 @@ class Config(Section):
     """A retrieval server for the search workflows."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     """The rollout engine."""
+    sft: SftConfig = Field(default_factory=SftConfig)
+    """``srpo sft``: the supervised warm start (not used by ``srpo train``)."""
 
     def to_dict(self) -> dict:
         return self.model_dump()
@@ -528,6 +553,8 @@ def validate(cfg: Config, *, training: bool = True) -> Config:
         sources.append((f"task.eval[{i}]", src))
     for path, src in sources:
         _check_source(path, src, kind.name)
+    if cfg.model.init_from and not Path(cfg.model.init_from).is_dir():
+        raise ConfigError(f"model.init_from: no such folder {cfg.model.init_from!r} (the model/ folder srpo sft writes)")
     _positive("eval.n", cfg.eval.n, allow_zero=True)
     _positive("eval.every", cfg.eval.every, allow_zero=True)
     if cfg.eval.every and not cfg.task.eval:

@@ -167,6 +167,20 @@ class EpisodeContext:
 RewardFn = Callable[[Task, str], float]
 
 
+def render_prompt_ids(tok, spec: RoleSpec, content: str, prefix: str = "") -> list[int]:
+    """The token ids of ``role``'s prompt for ``content``: its system prompt and template through the
+    tokenizer's chat template (plain text with the tokenizer's BOS for a base model without one),
+    then ``prefix`` as the start of the answer."""
+    user = spec.template.format(input=content)
+    if getattr(tok, "chat_template", None):
+        messages = ([{"role": "system", "content": spec.system}] if spec.system else []) + [
+            {"role": "user", "content": user}]
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + prefix
+        return tok(text, add_special_tokens=False)["input_ids"]
+    text = (f"{spec.system}\n\n" if spec.system else "") + f"{user}\n\n" + prefix
+    return tok(text, add_special_tokens=True)["input_ids"]
+
+
 class Runtime:
     """Runs episodes of a workflow concurrently over a :class:`PolicySet`.
 
@@ -207,19 +221,9 @@ class Runtime:
     def prompt_ids(self, spec: RoleSpec, content: str, prefix: str = "") -> list[int]:
         key = (spec.name, content, prefix)
         if key not in self._prompt_cache:
-            tok = self.policies.tokenizer
-            user = spec.template.format(input=content)
-            if getattr(tok, "chat_template", None):
-                messages = ([{"role": "system", "content": spec.system}] if spec.system else []) + [
-                    {"role": "user", "content": user}]
-                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + prefix
-                ids = tok(text, add_special_tokens=False)["input_ids"]
-            else:  # base models: plain text, with the tokenizer's own BOS
-                text = (f"{spec.system}\n\n" if spec.system else "") + f"{user}\n\n" + prefix
-                ids = tok(text, add_special_tokens=True)["input_ids"]
             if len(self._prompt_cache) > 100_000:
                 self._prompt_cache.clear()
-            self._prompt_cache[key] = ids
+            self._prompt_cache[key] = render_prompt_ids(self.policies.tokenizer, spec, content, prefix)
         return self._prompt_cache[key]
 
     def record_failure(self, kind: str, detail: str) -> None:

@@ -1,0 +1,303 @@
+"""``srpo sft``: multi-role supervised fine-tuning from transcripts — a warm start before RL.
+
+A small model often cannot produce a workflow's formats (``<search>…</search>``, ``SEARCH`` /
+``ANSWER``, ``WORKERS: 1, 2``) often enough for group-relative RL to find a signal.  ``srpo sft``
+teaches each role its part from transcripts of whole episodes, with the run config's own model
+layout, roles, prompts and templates, so the prompts it trains on are the prompts RL samples from.
+
+Transcripts are jsonl, one episode per line::
+
+    {"task": "kb-s0-3", "turns": [
+        {"role": "verifier", "input": "Question: ...\\n\\nInformation gathered:\\n(none yet)", "output": "SEARCH"},
+        {"role": "searcher_1", "prompt": "<the whole rendered prompt>", "output": "<search>...</search>"},
+        ...]}
+
+A turn gives either ``input`` — the content the workflow passes to the role (``ctx.ask(role,
+input)``; the role's system prompt and template from the config are applied, and an optional
+``prefix`` is appended as the start of the answer) — or ``prompt``, the prompt exactly as the model
+saw it.  ``output`` is what the role should answer.  Each role's policy (per ``model.layout``) is
+trained on its turns by cross-entropy on the output tokens (the end-of-sequence token is appended
+unless the output ends with one of the role's stop strings, so the model also learns to stop).
+
+Transcripts can also be *scripted*: ``sft.script: package.module:function`` names
+``fn(role, prompt, task) -> str``; srpo runs the configured workflow on ``sft.episodes`` training
+tasks with that function answering for every role (the workflow's real logic and tools — the
+retriever's real results — shape every prompt), keeps the episodes whose reward reaches
+``sft.min_reward``, writes them to ``<output_dir>/transcripts.jsonl`` and trains on them.
+:mod:`srpo.tasks.scripts` holds scripts for the built-in search workflows.
+
+The fine-tuned weights go to ``<sft.output_dir>/model`` (with the config in ``config.json``); an
+RL run starts from them with ``model.init_from: <sft.output_dir>/model`` and the same layout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from srpo import build
+from srpo.config import Config
+from srpo.fileio import write_text_atomic
+from srpo.tasks.base import DatasetError, Task
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Example:
+    """One turn to learn: ``completion_ids`` after ``prompt_ids``, by ``role``."""
+
+    role: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+
+
+# ----------------------------------------------------------------------------- transcripts
+
+def read_transcripts(path: str | Path) -> list[dict[str, Any]]:
+    """Episodes of a transcripts jsonl, each checked (the file and line named on any problem)."""
+    episodes = []
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as err:
+        raise DatasetError(f"{path}: cannot read the transcripts ({err.strerror or err})") from None
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            episode = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DatasetError(f"{path}, line {n}: not valid JSON ({err.msg})") from None
+        turns = episode.get("turns") if isinstance(episode, dict) else None
+        if not isinstance(turns, list) or not turns:
+            raise DatasetError(f"{path}, line {n}: an episode needs a non-empty list 'turns'")
+        for i, t in enumerate(turns):
+            where = f"{path}, line {n}, turn {i}"
+            if not isinstance(t, dict) or not isinstance(t.get("role"), str):
+                raise DatasetError(f"{where}: a turn needs a 'role'")
+            if not isinstance(t.get("output"), str) or not t["output"]:
+                raise DatasetError(f"{where}: a turn needs a non-empty 'output'")
+            if not isinstance(t.get("input"), str) and not isinstance(t.get("prompt"), str):
+                raise DatasetError(f"{where}: a turn needs an 'input' (the content given to the role) or a 'prompt'")
+        episodes.append(episode)
+    if not episodes:
+        raise DatasetError(f"{path}: no episodes")
+    return episodes
+
+
+def scripted_transcripts(cfg: Config, script: Callable[[str, str, Task], str], episodes: int,
+                         min_reward: float, tokenizer, progress: bool = True) -> tuple[list[dict], dict[str, float]]:
+    """Run the configured workflow with ``script`` answering for every role, on ``episodes``
+    training tasks (seeded order); keep episodes whose reward ≥ ``min_reward``.
+
+    Returns ``(episodes, stats)``: each episode as ``{"task", "reward", "turns": [{role, prompt,
+    output}]}`` — the prompt decoded from the exact ids the workflow built."""
+    from srpo.policies.scripted import ScriptedPolicies
+    from srpo.workflows.runtime import Runtime
+
+    tasks = build.train_tasks(cfg)
+    order = list(range(len(tasks)))
+    random.Random(cfg.run.seed).shuffle(order)
+    team_workflow = build.workflow(cfg, build.retriever(cfg))
+    specs = build.role_specs(cfg, team_workflow)
+    reward = build.reward(cfg)
+    current: list[Task] = []
+
+    def answer(role: str, prompt: str) -> str:
+        return script(role, prompt, current[0])
+
+    policies = ScriptedPolicies(answer, team_workflow.roles(), tokenizer=tokenizer)
+    runtime = Runtime(policies, specs, reward)
+    kept, rewards = [], []
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=episodes, desc="scripted episodes", unit="episode", dynamic_ncols=True)
+    for i in range(episodes):
+        task = tasks[order[i % len(order)]]
+        current[:] = [task]
+        (ep,) = runtime.run(team_workflow, [(f"sft-{i}", task)])
+        rewards.append(ep.reward)
+        if ep.reward >= min_reward:
+            turns = [{"role": m.role, "prompt": tokenizer.decode(m.prompt_ids, skip_special_tokens=False),
+                      "output": m.text} for e in ep.events for m in e.members if m.text]
+            kept.append({"task": task.task_id, "reward": ep.reward, "turns": turns})
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    stats = {"episodes": episodes, "kept": len(kept), "mean_reward": sum(rewards) / max(len(rewards), 1)}
+    return kept, stats
+
+
+def examples_from(episodes: list[dict], specs, tokenizer) -> list[Example]:
+    """Tokenized (prompt, completion) pairs; prompts from ``input`` are built as the runtime builds them."""
+    from srpo.workflows.runtime import render_prompt_ids
+
+    out = []
+    for e_i, episode in enumerate(episodes):
+        for t in episode["turns"]:
+            role = t["role"]
+            if role not in specs:
+                raise DatasetError(f"transcript episode {e_i + 1}: role {role!r} is not a role of this workflow "
+                                   f"({', '.join(sorted(specs))})")
+            spec = specs[role]
+            if "prompt" in t and isinstance(t["prompt"], str):
+                prompt_ids = tokenizer(t["prompt"], add_special_tokens=False)["input_ids"]
+            else:
+                prompt_ids = render_prompt_ids(tokenizer, spec, t["input"], t.get("prefix", ""))
+            ids = tokenizer(t["output"], add_special_tokens=False)["input_ids"]
+            if tokenizer.eos_token_id is not None and not any(t["output"].endswith(s) for s in spec.sampling.stop):
+                ids = ids + [tokenizer.eos_token_id]  # learn to stop where the output stops
+            out.append(Example(role, prompt_ids, ids))
+    return out
+
+
+# ----------------------------------------------------------------------------- training
+
+def _batches(examples: list[Example], size: int, rng: random.Random) -> list[list[Example]]:
+    order = list(range(len(examples)))
+    rng.shuffle(order)
+    return [[examples[i] for i in order[s:s + size]] for s in range(0, len(order), size)]
+
+
+def _collate(batch: list[Example], pad_id: int):
+    """(B, P + T) left-padded prompts then right-padded completions, as the RL update collates."""
+    P = max(len(e.prompt_ids) for e in batch)
+    T = max(len(e.completion_ids) for e in batch)
+    ids = torch.full((len(batch), P + T), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    mask = torch.zeros(len(batch), T)
+    for i, e in enumerate(batch):
+        p, t = len(e.prompt_ids), len(e.completion_ids)
+        ids[i, P - p:P] = torch.tensor(e.prompt_ids)
+        ids[i, P:P + t] = torch.tensor(e.completion_ids)
+        attn[i, P - p:P + t] = 1
+        mask[i, :t] = 1
+    return ids, attn, P, mask
+
+
+def train_sft(cfg: Config, examples: list[Example], policies, *, epochs: int, lr: float, batch_size: int,
+              progress: bool = True, on_step: Callable[[dict], None] | None = None) -> list[dict[str, float]]:
+    """Cross-entropy on the completion tokens, each example through its role's policy; one AdamW
+    per policy; the mean token loss per optimizer step is returned (and passed to ``on_step``)."""
+    optimizers = {pid: torch.optim.AdamW(policies.parameters(pid), lr=lr, weight_decay=0.0)
+                  for pid in policies.policy_ids}
+    device = cfg.run.device
+    autocast = torch.autocast("cuda" if device.startswith("cuda") else "cpu", dtype=torch.bfloat16,
+                              enabled=cfg.model.autocast_bf16)
+    pad = policies.tokenizer.pad_token_id if policies.tokenizer.pad_token_id is not None else 0
+    rng = random.Random(cfg.run.seed)
+    history = []
+    total = epochs * math.ceil(len(examples) / batch_size)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, desc="sft", unit="step", dynamic_ncols=True)
+    for epoch in range(epochs):
+        for batch in _batches(examples, batch_size, rng):
+            started = time.perf_counter()
+            tokens = sum(len(e.completion_ids) for e in batch)
+            loss_sum = 0.0
+            for pid in sorted({policies.policy_of(e.role) for e in batch}):
+                rows = [e for e in batch if policies.policy_of(e.role) == pid]
+                ids, attn, P, mask = (x.to(device) if isinstance(x, torch.Tensor) else x for x in _collate(rows, pad))
+                with autocast:
+                    lp = policies.logprobs(pid, ids, attn, P, action_mask=mask, chunk_tokens=cfg.train.chunk_tokens)
+                nll = -(lp * mask).sum()
+                (nll / tokens).backward()  # the batch's mean token loss, whichever policy a token is under
+                loss_sum += float(nll.detach())
+            for pid, opt in optimizers.items():
+                torch.nn.utils.clip_grad_norm_(policies.parameters(pid), cfg.train.max_grad_norm or float("inf"))
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            row = {"step": len(history) + 1, "epoch": epoch, "loss": loss_sum / tokens, "tokens": tokens,
+                   "time_s": time.perf_counter() - started}
+            history.append(row)
+            if on_step is not None:
+                on_step(row)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{row['loss']:.3f}")
+    if bar is not None:
+        bar.close()
+    return history
+
+
+def check_sft_config(cfg: Config) -> None:
+    """What ``srpo sft`` needs beyond a valid run config; raises :class:`ConfigError` naming the field."""
+    from srpo.config import ConfigError
+    from srpo.registry import RegistryError, import_object
+
+    s = cfg.sft
+    if bool(s.data) == bool(s.script):
+        raise ConfigError("sft: give either sft.data (a transcripts jsonl) or sft.script (package.module:function)")
+    if s.data and not Path(s.data).is_file():
+        raise ConfigError(f"sft.data: no such file {s.data!r}")
+    if s.script:
+        try:
+            fn = import_object(s.script)
+        except RegistryError as err:
+            raise ConfigError(f"sft.script: {err}") from None
+        if not callable(fn):
+            raise ConfigError(f"sft.script: {s.script!r} is not a function (role, prompt, task) -> str")
+    for name in ("episodes", "epochs", "batch_size"):
+        if getattr(s, name) < 1:
+            raise ConfigError(f"sft.{name}: must be ≥ 1, got {getattr(s, name)}")
+    if not (math.isfinite(s.lr) and s.lr > 0):
+        raise ConfigError(f"sft.lr: must be > 0, got {s.lr}")
+
+
+def run_sft(cfg: Config, progress: bool = True) -> Path:
+    """The whole stage: transcripts (file or script) → examples → fine-tuned policies saved to
+    ``<sft.output_dir>/model``.  Returns that folder."""
+    from srpo.registry import import_object
+
+    check_sft_config(cfg)
+    s = cfg.sft
+    out = Path(s.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    team = build.team(cfg)
+    tokenizer = team.policies.tokenizer
+    if s.data:
+        episodes = read_transcripts(s.data)
+        stats: dict[str, float] = {"episodes": len(episodes), "kept": len(episodes)}
+    else:
+        script = import_object(s.script)
+        episodes, stats = scripted_transcripts(cfg, script, s.episodes, s.min_reward, tokenizer, progress)
+        if not episodes:
+            raise DatasetError(f"{s.script}: none of {s.episodes} scripted episodes reached reward {s.min_reward} "
+                               f"(mean reward {stats['mean_reward']:.3f}); check the script")
+        write_text_atomic(out / "transcripts.jsonl", "".join(json.dumps(e) + "\n" for e in episodes))
+    examples = examples_from(episodes, team.role_specs, tokenizer)
+    log_path = out / "sft_metrics.jsonl"
+    log_path.write_text("")
+
+    def record(row):
+        with log_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    for m in team.policies.modules():
+        m.train(cfg.model.layout == "lora" and cfg.model.lora.dropout > 0)  # LoRA dropout acts here too
+    history = train_sft(cfg, examples, team.policies, epochs=s.epochs, lr=s.lr, batch_size=s.batch_size,
+                        progress=progress, on_step=record)
+    for m in team.policies.modules():
+        m.eval()
+    team.policies.save_pretrained(out / "model")
+    summary = {**stats, "examples": len(examples), "steps": len(history),
+               "loss_first": history[0]["loss"] if history else None, "loss_last": history[-1]["loss"] if history else None,
+               "by_role": {r: sum(1 for e in examples if e.role == r) for r in sorted({e.role for e in examples})}}
+    write_text_atomic(out / "sft.json", json.dumps(summary, indent=1))
+    write_text_atomic(out / "config.json", json.dumps(cfg.to_dict(), indent=1, default=str))
+    return out / "model"

@@ -1,0 +1,118 @@
+"""``srpo sft``: transcripts (scripted or from a file) → multi-role supervised warm start → RL from it."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from srpo.config import ConfigError, load_config
+from srpo.tasks.base import DatasetError
+
+ROOT = Path(__file__).resolve().parents[1]
+SEARCH_TEAM = ROOT / "configs" / "search" / "search_team" / "srpo.yaml"
+
+
+def sft_overrides(tmp_path, *extra):
+    return [f"run.output_dir={tmp_path / 'rl'}", f"sft.output_dir={tmp_path / 'sft'}", "model.name=tiny-llama",
+            "model.autocast_bf16=false", "workflow.max_new_tokens=160", "task.train.n=30", "eval.every=0",
+            "checkpoint.every=0", "log.tensorboard=false", "run.steps=1", "train.tasks_per_step=2",
+            "train.group_size=2", *extra]
+
+
+def test_scripted_search_team_transcripts_train_and_warm_start_rl(tmp_path):
+    from srpo.sft import run_sft
+    from srpo.trainer import Trainer
+
+    cfg = load_config(SEARCH_TEAM, sft_overrides(tmp_path, "sft.script=srpo.tasks.scripts:search_team",
+                                                 "sft.episodes=12", "sft.epochs=4", "sft.lr=0.003", "sft.batch_size=8"))
+    model_dir = run_sft(cfg, progress=False)
+    out = tmp_path / "sft"
+    episodes = [json.loads(line) for line in (out / "transcripts.jsonl").read_text().splitlines()]
+    assert episodes and all(e["reward"] >= 1.0 for e in episodes)  # only episodes whose answer was found
+    roles = [t["role"] for t in episodes[0]["turns"]]
+    assert roles[0] == "verifier" and "answerer" == roles[-1] and {"searcher_1", "searcher_2"} <= set(roles)
+    first = episodes[0]["turns"]
+    assert first[0]["output"] == "SEARCH" and first[1]["output"].startswith("<search>")
+    assert first[-1]["output"].startswith("<answer>") and "Information:" in first[-1]["prompt"]
+    summary = json.loads((out / "sft.json").read_text())
+    assert summary["kept"] == len(episodes) and summary["loss_last"] < summary["loss_first"]
+    losses = [json.loads(line)["loss"] for line in (out / "sft_metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == summary["steps"] and losses[-1] < losses[0]
+    # RL starts from the fine-tuned weights.
+    rl = Trainer(load_config(SEARCH_TEAM, sft_overrides(tmp_path, f"model.init_from={model_dir}")), progress=False)
+    from safetensors.torch import load_file
+
+    saved = load_file(str(model_dir / "shared" / "model.safetensors"))
+    params = dict(rl.policies.model.named_parameters())
+    name = next(k for k in saved if "layers.0.self_attn.q_proj" in k)
+    assert torch.equal(params[name], saved[name])
+    rl.close()
+
+
+def test_sft_teaches_a_role_its_format(tmp_path):
+    """A memorised format: after SFT the role's greedy answer is the transcript's output."""
+    from srpo import build
+    from srpo.policies.sampling import SamplingParams
+    from srpo.sft import examples_from, train_sft
+    from srpo.workflows.runtime import render_prompt_ids
+
+    cfg = load_config(SEARCH_TEAM, sft_overrides(tmp_path, "sft.data=unused"))
+    team = build.team(cfg)
+    episodes = [{"turns": [{"role": "verifier", "input": f"Question: q{i}\n\nInformation gathered:\n(none yet)",
+                            "output": "SEARCH"} for i in range(4)]}]
+    examples = examples_from(episodes, team.role_specs, team.policies.tokenizer)
+    assert examples[0].completion_ids[-1] == team.policies.tokenizer.eos_token_id  # it learns to stop too
+    train_sft(cfg, examples, team.policies, epochs=40, lr=0.01, batch_size=4, progress=False)
+    from srpo.policies.layouts import GenerationRequest
+
+    spec = team.role_specs["verifier"]
+    ids = render_prompt_ids(team.policies.tokenizer, spec, "Question: q9\n\nInformation gathered:\n(none yet)")
+    (sample,) = team.policies.generate([GenerationRequest("verifier", ids, SamplingParams(temperature=0.0,
+                                                                                         max_new_tokens=12))])
+    assert sample.text.strip() == "SEARCH"
+
+
+def test_transcript_turns_by_input_or_by_prompt_give_the_runtime_s_prompts(tmp_path):
+    from srpo import build
+    from srpo.sft import examples_from
+    from srpo.workflows.runtime import render_prompt_ids
+
+    cfg = load_config(SEARCH_TEAM, sft_overrides(tmp_path, "sft.data=unused"))
+    team = build.team(cfg, existing_policies=None)
+    tok = team.policies.tokenizer
+    spec = team.role_specs["searcher_1"]
+    rendered = tok.decode(render_prompt_ids(tok, spec, "Question: who?"), skip_special_tokens=False)
+    episodes = [{"turns": [{"role": "searcher_1", "input": "Question: who?", "output": "<search>who</search>"},
+                           {"role": "searcher_1", "prompt": rendered, "output": "<search>who</search>"}]}]
+    a, b = examples_from(episodes, team.role_specs, tok)
+    assert a.prompt_ids == b.prompt_ids == render_prompt_ids(tok, spec, "Question: who?")
+    assert a.completion_ids[-1] != tok.eos_token_id  # ends with the role's stop string: no EOS needed
+    with pytest.raises(DatasetError, match="role 'judge' is not a role of this workflow"):
+        examples_from([{"turns": [{"role": "judge", "input": "x", "output": "y"}]}], team.role_specs, tok)
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", "line 1: not valid JSON"),
+    ('{"turns": []}', "line 1: an episode needs a non-empty list 'turns'"),
+    ('{"turns": [{"role": "verifier", "input": "x"}]}', "line 1, turn 0: a turn needs a non-empty 'output'"),
+    ('{"turns": [{"role": "verifier", "output": "SEARCH"}]}', "a turn needs an 'input'"),
+])
+def test_bad_transcripts_name_file_line_and_turn(tmp_path, line, message):
+    from srpo.sft import read_transcripts
+
+    path = tmp_path / "t.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(DatasetError, match=message):
+        read_transcripts(path)
+
+
+def test_sft_config_errors_come_before_any_model_loads(tmp_path):
+    from srpo.cli import main
+
+    base = ["sft", "--config", str(SEARCH_TEAM), "--set", f"sft.output_dir={tmp_path}"]
+    assert main(base) == 2  # neither data nor script
+    assert main(base + ["sft.script=srpo.tasks.scripts:nope"]) == 2
+    assert main(base + ["sft.data=/nowhere.jsonl"]) == 2
+    with pytest.raises(ConfigError, match="model.init_from: no such folder"):
+        load_config(SEARCH_TEAM, sft_overrides(tmp_path, "model.init_from=/nowhere"))
