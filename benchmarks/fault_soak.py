@@ -95,8 +95,11 @@ def soak(out: Path, *, kills: int, steps: int, seed: int, max_delay: float, sigi
     t1 = time.perf_counter()
     while True:
         before = logged_steps(victim)
+        # The child takes SIGINT as from a terminal even when this script runs in the background
+        # (`cmd &` starts it with SIGINT ignored, and Python then installs no KeyboardInterrupt).
         proc = subprocess.Popen(train_command(victim, steps, starts > 0), env=ENV, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True)
+                                stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         starts += 1
         # Let it get going: kill only after it logged a step (or at once when it is already done).
         while proc.poll() is None and logged_steps(victim) <= before:

@@ -61,10 +61,14 @@ def test_ctrl_c_while_episodes_have_not_started_raises_instead_of_hanging(episod
 
     watchdog = threading.Timer(10, hung)
     watchdog.start()
+    # Ctrl-C as in a terminal, also when the suite itself runs in the background (`cmd &` starts
+    # it with SIGINT ignored, and asyncio.run then installs no handler).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         target()
     finally:
         watchdog.cancel()
+        signal.signal(signal.SIGINT, previous)
     assert "hung" not in outcome, "the rollout hung after Ctrl-C"
     assert outcome["result"] == "KeyboardInterrupt"
     # The runtime is reusable after an interruption.
