@@ -126,24 +126,24 @@ def _golds(tasks: list[Task], sample: int = 200) -> list[str]:
     return [t.answers[0] for t in tasks[:sample] if t.answers]
 
 
-def _math_fits(tasks: list[Task], source: str) -> None:
-    """Decided on the majority of the first 200 tasks, so a few odd answers (MATH's word answers)
-    do not trip it."""
+def _refuse_when_most(tasks: list[Task], source: str, wrong: Callable[[str], bool], looks_like: str,
+                      what: str, use: str) -> None:
+    """Raise when most of the first 200 gold answers look ``wrong`` for this kind (a majority, so a
+    few odd answers — MATH's word answers — do not trip it)."""
     golds = _golds(tasks)
-    bad = [g for g in golds if _prose(g)]
+    bad = [g for g in golds if wrong(g)]
     if golds and 2 * len(bad) > len(golds):
         raise DatasetError(
-            f"{source}: looks like a QA dataset, not math — {len(bad)} of the first {len(golds)} gold answers are "
-            f"plain words (e.g. {_short(bad[0])!r}); use task.kind: qa (srpo eval: --kind qa)")
+            f"{source}: looks like a {looks_like} — {len(bad)} of the first {len(golds)} gold answers are "
+            f"{what} (e.g. {_short(bad[0])!r}); use task.kind: {use} (srpo eval: --kind {use})")
+
+
+def _math_fits(tasks: list[Task], source: str) -> None:
+    _refuse_when_most(tasks, source, _prose, "QA dataset, not math", "plain words", "qa")
 
 
 def _qa_fits(tasks: list[Task], source: str) -> None:
-    golds = _golds(tasks)
-    bad = [g for g in golds if _worked_solution(g)]
-    if golds and 2 * len(bad) > len(golds):
-        raise DatasetError(
-            f"{source}: looks like a math dataset, not QA — {len(bad)} of the first {len(golds)} answers are "
-            f"worked solutions (e.g. {_short(bad[0])!r}); use task.kind: math (srpo eval: --kind math)")
+    _refuse_when_most(tasks, source, _worked_solution, "math dataset, not QA", "worked solutions", "math")
 
 
 def _looks_qa(rows: list[dict]) -> bool:
