@@ -307,6 +307,13 @@ def test_registries_list_names_and_reject_unknown_ones_with_the_valid_ones():
         WORKFLOWS.resolve("srpo.methods:Method")
     with pytest.raises(RegistryError, match="has no attribute 'Nope'"):
         TASK_KINDS.resolve("srpo.tasks.kinds:Nope")
+    # A reward by import path: any fn(task, text) -> float.
+    from srpo import build
+    from srpo.tasks.rewards import task_reward
+
+    assert build.reward(load_config(None, ["task.reward=srpo.tasks.rewards:task_reward"])) is task_reward
+    with pytest.raises(ConfigError, match="task.reward: 'f2' is not a math reward; valid: exact"):
+        load_config(None, ["task.reward=f2"])
 
 
 # ------------------------------------------------------------------ metrics declare their reduction
