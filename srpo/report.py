@@ -200,7 +200,7 @@ def plot_study(root: Path, records: list[dict], k: int) -> Path | None:
 MECHANISM_PANELS = (
     ("clip_frac", "clip fraction of its update units"),
     ("weight_per_transition", "gradient weight per transition\n(share of gradient / share of transitions)"),
-    ("unit_log_ratio_std", "std of the clipped log-ratio\n(per unit: set, token or member)"),
+    ("set_log_ratio_std", "std of the set log-ratio c(K)·Σ_j ℓ_j\n(c of the run's set reduction: sqrt unless srpo_sum/mean)"),
 )
 
 
@@ -233,6 +233,7 @@ def plot_mechanism(root: Path, mech: dict) -> Path | None:
                 xs = sorted(int(s) for s in series)
                 bottom.plot(xs, [series[str(x)] if str(x) in series else series[x] for x in xs], marker=".", label=lab)
         top.set_xlabel("set size K")
+        top.set_xticks(range(1, k_max + 1))
         top.set_title(title, fontsize=10)
         top.grid(alpha=0.3)
         bottom.set_xlabel("step")
