@@ -15,7 +15,7 @@ Transcripts are jsonl, one episode per line::
 A turn gives either ``input`` — the content the workflow passes to the role (``ctx.ask(role,
 input)``; the role's system prompt and template from the config are applied, and an optional
 ``prefix`` is appended as the start of the answer) — or ``prompt``, the prompt exactly as the model
-saw it.  ``output`` is what the role should answer.  Each role's policy (per ``model.layout``) is
+saw it.  ``output`` is what the role should answer.  (Scripted transcripts also carry ``prompt_ids``, the exact ids.)  Each role's policy (per ``model.layout``) is
 trained on its turns by cross-entropy on the output tokens (the end-of-sequence token is appended
 unless the output ends with one of the role's stop strings, so the model also learns to stop).
 
@@ -129,8 +129,10 @@ def scripted_transcripts(cfg: Config, script: Callable[[str, str, Task], str], e
         (ep,) = runtime.run(team_workflow, [(f"sft-{i}", task)])
         rewards.append(ep.reward)
         if ep.reward >= min_reward:
+            # The exact prompt ids too: decoding and re-tokenizing a prompt need not give them back.
             turns = [{"role": m.role, "prompt": tokenizer.decode(m.prompt_ids, skip_special_tokens=False),
-                      "output": m.text} for e in ep.events for m in e.members if m.text]
+                      "prompt_ids": list(m.prompt_ids), "output": m.text}
+                     for e in ep.events for m in e.members if m.text]
             kept.append({"task": task.task_id, "reward": ep.reward, "turns": turns})
         if bar is not None:
             bar.update(1)
@@ -152,7 +154,9 @@ def examples_from(episodes: list[dict], specs, tokenizer) -> list[Example]:
                 raise DatasetError(f"transcript episode {e_i + 1}: role {role!r} is not a role of this workflow "
                                    f"({', '.join(sorted(specs))})")
             spec = specs[role]
-            if "prompt" in t and isinstance(t["prompt"], str):
+            if isinstance(t.get("prompt_ids"), list):  # scripted transcripts: the ids the workflow built
+                prompt_ids = [int(i) for i in t["prompt_ids"]]
+            elif isinstance(t.get("prompt"), str):
                 prompt_ids = tokenizer(t["prompt"], add_special_tokens=False)["input_ids"]
             else:
                 prompt_ids = render_prompt_ids(tokenizer, spec, t["input"], t.get("prefix", ""))
