@@ -439,7 +439,7 @@ def validate(cfg: Config, *, training: bool = True) -> Config:
     from srpo.policies.layouts import LAYOUTS
     from srpo.registry import RegistryError
     from srpo.tasks.kinds import TASK_KINDS, task_kind
-    from srpo.workflows.builtins import WORKFLOWS, build_workflow, needs_retriever
+    from srpo.workflows.builtins import WORKFLOWS, OptionError, build_workflow, needs_retriever
 
     _choice("model.layout", cfg.model.layout, LAYOUTS)
     _choice("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16"))
@@ -521,8 +521,10 @@ def validate(cfg: Config, *, training: bool = True) -> Config:
     opts = dict(cfg.workflow.options)
     try:  # the workflow checks its own options against its declared option fields
         workflow = build_workflow(cfg.workflow.name, kind=kind.name, **opts)
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"workflow.options.{err}" if str(err).split(":")[0] in opts else f"workflow.options: {err}") from None
+    except OptionError as err:  # names the option: workflow.options.<option>: ...
+        raise ConfigError(f"workflow.options.{err}") from None
+    except (TypeError, ValueError) as err:  # a check across options (e.g. max_chosen > num_workers)
+        raise ConfigError(f"workflow.options: {err}") from None
     if needs_retriever(cfg.workflow.name) and not cfg.task.corpus and not cfg.retriever.url:
         raise ConfigError(f"task.corpus: the {cfg.workflow.name} workflow needs a corpus (a jsonl path or synthetic_kb) "
                           f"or a retrieval server (retriever.url)")

@@ -63,21 +63,13 @@ class Example:
 # ----------------------------------------------------------------------------- transcripts
 
 def read_transcripts(path: str | Path) -> list[dict[str, Any]]:
-    """Episodes of a transcripts jsonl, each checked (the file and line named on any problem)."""
+    """Episodes of a transcripts jsonl, each checked (the file and line named on any problem;
+    reading — UTF-8, JSON, empty files — as every dataset is read, :func:`srpo.tasks.base.read_jsonl`)."""
+    from srpo.tasks.base import read_jsonl
+
     episodes = []
-    path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as err:
-        raise DatasetError(f"{path}: cannot read the transcripts ({err.strerror or err})") from None
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            episode = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DatasetError(f"{path}, line {n}: not valid JSON ({err.msg})") from None
-        turns = episode.get("turns") if isinstance(episode, dict) else None
+    for n, episode in read_jsonl(path):
+        turns = episode.get("turns")
         if not isinstance(turns, list) or not turns:
             raise DatasetError(f"{path}, line {n}: an episode needs a non-empty list 'turns'")
         for i, t in enumerate(turns):
@@ -89,8 +81,6 @@ def read_transcripts(path: str | Path) -> list[dict[str, Any]]:
             if not isinstance(t.get("input"), str) and not isinstance(t.get("prompt"), str):
                 raise DatasetError(f"{where}: a turn needs an 'input' (the content given to the role) or a 'prompt'")
         episodes.append(episode)
-    if not episodes:
-        raise DatasetError(f"{path}: no episodes")
     return episodes
 
 

@@ -397,7 +397,7 @@ def mechanism(root: Path, records: list[dict]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for label in dict.fromkeys(r["label"] for r in records if not r["label"].startswith("untrained")):
         seeds = [r for r in records if r["label"] == label]
-        per_seed: dict[int, dict[str, list[float]]] = {}
+        per_seed: dict[int, dict[str, dict[int, list[float]]]] = {}  # K → metric → seed → per-step values
         steps: dict[int, dict[str, dict[int, list[float]]]] = {}
         name = seeds[0]["overrides"].get("method.name") or \
             seeds[0].get("recipe", {}).get("base_config", {}).get("method", {}).get("name", "srpo")
@@ -415,13 +415,13 @@ def mechanism(root: Path, records: list[dict]) -> dict[str, Any]:
                     for m, v in values.items():
                         if v is None:
                             continue
-                        per_seed.setdefault(K, {}).setdefault(f"{m}@{r['seed']}", []).append(v)
+                        per_seed.setdefault(K, {}).setdefault(m, {}).setdefault(r["seed"], []).append(v)
                         steps.setdefault(K, {}).setdefault(m, {}).setdefault(row["step"], []).append(v)
         cell: dict[str, Any] = {}
         for K, series in per_seed.items():
             stats = {}
             for m in (*BY_K, "weight_per_transition"):
-                seed_means = [sum(v) / len(v) for key, v in series.items() if key.split("@")[0] == m and v]
+                seed_means = [sum(v) / len(v) for v in series.get(m, {}).values() if v]
                 if seed_means:
                     mean, se = mean_se(seed_means)
                     stats[m] = {"mean": mean, "se": se, "seeds": len(seed_means)}

@@ -832,9 +832,9 @@ class RolloutMismatch:
         acc = MetricAccumulator()
         acc.add(m)
         acc.all_reduce()
-        # Nothing is reported for what nothing was measured on (a role, or the whole step).
-        measured = {k for k, (num, den) in ((k, v) for k, v in acc.totals.items() if acc.kinds[k] == "ratio") if den}
-        return {k: v for k, v in acc.result().items() if acc.kinds[k] != "ratio" or k in measured}
+        # Nothing is reported for what nothing was measured on (a role, or the whole step): a
+        # ratio whose denominator (tokens) is 0 on every rank.
+        return {k: v for k, v in acc.result().items() if acc.kinds[k] != "ratio" or acc.totals[k][1]}
 
 
 def _episode_record(ep: EpisodeResult) -> dict[str, Any]:

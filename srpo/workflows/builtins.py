@@ -49,6 +49,14 @@ SEARCH_SYSTEM = (
 )
 
 
+class OptionError(ValueError):
+    """A workflow option is unknown or has a bad value; ``option`` names it."""
+
+    def __init__(self, option: str, problem: str):
+        super().__init__(f"{option}: {problem}")
+        self.option = option
+
+
 #: A positive integer option (a count of workers, rounds, turns, passages ...).
 Count = Annotated[int, Field(ge=1)]
 _BASE_FIELDS = ("kind", "max_new_tokens", "temperature", "retriever")
@@ -87,15 +95,15 @@ class Workflow:
 
     @classmethod
     def check_options(cls, options: dict[str, Any]) -> None:
-        """Raise ``ValueError("<option>: <problem>")`` for an unknown option or a bad value."""
+        """Raise :class:`OptionError` (naming the option) for an unknown option or a bad value."""
         valid = cls.option_fields()
         for key, value in options.items():
             if key not in valid:
-                raise ValueError(f"{key}: {cls.name} has no such option; valid: {', '.join(valid) or '(none)'}")
+                raise OptionError(key, f"{cls.name} has no such option; valid: {', '.join(valid) or '(none)'}")
             try:
                 TypeAdapter(valid[key]).validate_python(value, strict=True)
             except ValidationError as err:
-                raise ValueError(f"{key}: {err.errors(include_url=False)[0]['msg']} (got {value!r})") from None
+                raise OptionError(key, f"{err.errors(include_url=False)[0]['msg']} (got {value!r})") from None
 
     def roles(self) -> list[str]:
         raise NotImplementedError
