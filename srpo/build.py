@@ -54,6 +54,25 @@ def eval_sets(cfg: Config, sources: list[DataSource] | None = None, n: int | Non
     return out
 
 
+def eval_workflows(cfg: Config, sources: list[DataSource] | None, workflow_: Any) -> dict[str, Any]:
+    """The workflow each held-out set (``sources``, default ``task.eval``) runs in, by display name:
+    ``workflow_`` itself, or — for a set with its own ``corpus`` — the same workflow searching that
+    corpus (one retriever per distinct corpus)."""
+    from srpo.data import eval_retriever, source_name
+
+    out, built = {}, {}
+    for src in cfg.task.eval if sources is None else sources:
+        if not src.corpus:
+            out[source_name(src)] = workflow_
+            continue
+        # A synthetic set's own KB depends on the whole source (n, seed); a file corpus on its path.
+        key = src.model_dump_json() if src.corpus == src.source else src.corpus
+        if key not in built:
+            built[key] = workflow(cfg, eval_retriever(src))
+        out[source_name(src)] = built[key]
+    return out
+
+
 def retriever(cfg: Config):
     """A retrieval-server client, BM25 over ``task.corpus``, or None."""
     from srpo.data import build_retriever

@@ -158,7 +158,8 @@ def _eval(args) -> int:
         team.policies.load_pretrained_weights(checkpoint / "model")
         print(f"evaluating checkpoint {checkpoint}", file=sys.stderr)
     results = evaluate(team.policies, team.workflow, team.role_specs, datasets, k=args.k,
-                       temperature=args.temperature, seed=args.seed, progress=True)
+                       temperature=args.temperature, seed=args.seed, progress=True,
+                       workflows=build.eval_workflows(cfg, None, team.workflow))
     print(markdown_table(results, f"{args.model} — {cfg.workflow.name}"))
     if args.out:
         js, md = write_results(results, Path(args.out), "eval", f"{args.model} — {cfg.workflow.name}")

@@ -147,6 +147,10 @@ class DataSource(Section):
     """Skip (and count) rows without a question or answer instead of failing."""
     fields: dict[str, str] = Field(default_factory=dict)
     """Rename a dataset's columns to ours, e.g. {question: prompt, answer: solution}."""
+    corpus: str = ""
+    """Search workflows, held-out sets only: this set's own corpus (a jsonl path, or synthetic_kb:
+    this source's own KB), searched instead of ``task.corpus``/``retriever.url`` when the set is
+    evaluated — e.g. HotpotQA questions over HotpotQA paragraphs next to a synthetic training KB."""
 
 
 class TaskConfig(Section):
@@ -432,6 +436,21 @@ def _positive(path, value, allow_zero=False):
         raise ConfigError(f"{path}: must be {'≥ 0' if allow_zero else '> 0'}, got {value}")
 
 
+def check_eval_corpora(cfg: Config, sources: list[DataSource], where: str = "task.eval") -> None:
+    """A held-out set's own ``corpus`` needs a search workflow, and ``synthetic_kb`` as a corpus
+    means the set's own KB, so only a synthetic_kb set may name it."""
+    from srpo.tasks.kinds import synthetic_source
+    from srpo.workflows.builtins import needs_retriever
+
+    for i, src in enumerate(sources):
+        if src.corpus and not needs_retriever(cfg.workflow.name):
+            raise ConfigError(f"{where}[{i}].corpus: the {cfg.workflow.name} workflow searches nothing; "
+                              f"a held-out set's corpus is for the search workflows")
+        if src.corpus and synthetic_source(src.corpus) is not None and src.corpus != src.source:
+            raise ConfigError(f"{where}[{i}].corpus: {src.corpus} names the set's own synthetic KB, but the set's "
+                              f"source is {src.source!r}; give a corpus jsonl path instead")
+
+
 def validate(cfg: Config, *, training: bool = True) -> Config:
     """Check values and their combinations; raise :class:`ConfigError` naming the field."""
     from srpo.methods import METHODS
@@ -530,6 +549,10 @@ def validate(cfg: Config, *, training: bool = True) -> Config:
                           f"or a retrieval server (retriever.url)")
     if cfg.task.corpus and cfg.retriever.url:
         raise ConfigError("retriever.url: a run retrieves from a server or from task.corpus, not both; unset one")
+    if cfg.task.train.corpus:
+        raise ConfigError("task.train.corpus: training searches task.corpus (or retriever.url); a data source's own "
+                          "corpus is for held-out sets (task.eval[].corpus)")
+    check_eval_corpora(cfg, cfg.task.eval)
     if cfg.retriever.url and not cfg.retriever.url.startswith(("http://", "https://")):
         raise ConfigError(f"retriever.url: expected http://host:port/retrieve, got {cfg.retriever.url!r}")
     _positive("retriever.timeout_s", cfg.retriever.timeout_s)
@@ -651,6 +674,9 @@ def _resolve_data_paths(data: dict, folder: Path) -> None:
             src["source"] = os.path.normpath(folder / src["source"])
     if _is_file_path(task.get("corpus")):
         task["corpus"] = os.path.normpath(folder / task["corpus"])
+    for src in sources[1:]:
+        if isinstance(src, dict) and _is_file_path(src.get("corpus")):
+            src["corpus"] = os.path.normpath(folder / src["corpus"])
 
 
 def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:

@@ -102,6 +102,16 @@ def build_retriever(cfg: Config):
     return BM25Retriever(load_corpus(cfg.task.corpus))
 
 
+def eval_retriever(src: DataSource) -> BM25Retriever | None:
+    """BM25 over a held-out set's own ``corpus`` (``synthetic_kb``: the passages of this source's
+    own KB); None when the set searches the run's corpus."""
+    if not src.corpus:
+        return None
+    if synthetic_source(src.corpus) is not None:
+        return BM25Retriever(synthetic_source(src.source).synthetic[src.source](src)[1])
+    return BM25Retriever(load_corpus(src.corpus))
+
+
 def corpus_passages(spec: str) -> list[Passage]:
     """A corpus jsonl, or ``synthetic_kb:n=40:seed=0`` (the synthetic KB's passages)."""
     if spec.startswith("synthetic_kb"):

@@ -26,8 +26,11 @@ from srpo.workflows.runtime import Runtime
 
 def evaluate(policies, workflow, role_specs, datasets: dict[str, list[Task]], *, k: int = 4,
              temperature: float | None = None, seed: int = 1234, max_batch: int = 256,
-             progress: bool = False) -> dict[str, Any]:
-    """Run ``k`` episodes per task of every dataset; return per-dataset and macro metrics."""
+             progress: bool = False, workflows: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run ``k`` episodes per task of every dataset; return per-dataset and macro metrics.
+
+    ``workflows`` (by dataset name) replaces ``workflow`` for the datasets it names — a held-out
+    set searched in its own corpus (:func:`srpo.build.eval_workflows`)."""
     if temperature is not None:  # the eval temperature replaces every role's training one
         role_specs = {r: replace(s, sampling=replace(s.sampling, temperature=temperature)) for r, s in role_specs.items()}
     runtime = Runtime(policies, role_specs, task_reward, generator=torch.Generator().manual_seed(seed),
@@ -46,7 +49,7 @@ def evaluate(policies, workflow, role_specs, datasets: dict[str, list[Task]], *,
         chunk = max(k, (min(max_batch, 64) // k) * k)
         with torch.no_grad():
             for start in range(0, len(jobs), chunk):
-                episodes += runtime.run(workflow, jobs[start:start + chunk])
+                episodes += runtime.run((workflows or {}).get(name, workflow), jobs[start:start + chunk])
                 if bar is not None:
                     bar.update(len(jobs[start:start + chunk]))
                     bar.set_postfix(dataset=name, acc=f"{sum(e.reward >= 1.0 for e in episodes) / len(episodes):.3f}")

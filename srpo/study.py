@@ -46,7 +46,8 @@ import yaml
 
 from pydantic import Field
 
-from srpo.config import ConfigError, DataSource, Float, Section, apply_overrides, config_from_dict, parse_section, read_yaml
+from srpo.config import (ConfigError, DataSource, Float, Section, apply_overrides, check_eval_corpora, config_from_dict,
+                         parse_section, read_yaml)
 from srpo.metrics_log import read_metrics
 
 
@@ -110,7 +111,8 @@ def load_study(path: str | Path) -> dict:
     spec["eval_sources"] = [_resolve(src, p.parent) for src in typed.eval.datasets]
     for cell in cells(spec):
         try:
-            cell_config(spec, cell, Path(spec["output_dir"]) / "_check")
+            check_eval_corpora(cell_config(spec, cell, Path(spec["output_dir"]) / "_check"), spec["eval_sources"],
+                               "eval.datasets")
         except ConfigError as err:
             raise ConfigError(f"{p}: cell {cell['label']} (seed {cell['seed']}): {err}") from None
     return spec
@@ -119,9 +121,12 @@ def load_study(path: str | Path) -> dict:
 def _resolve(src: DataSource, folder: Path) -> DataSource:
     from srpo.tasks.kinds import synthetic_source
 
-    if synthetic_source(src.source) or src.source.startswith("hub:") or Path(src.source).is_absolute():
-        return src
-    return src.model_copy(update={"source": str((folder / src.source).resolve())})
+    def resolved(path: str) -> str:
+        if not path or synthetic_source(path) or path.startswith("hub:") or Path(path).is_absolute():
+            return path
+        return str((folder / path).resolve())
+
+    return src.model_copy(update={"source": resolved(src.source), "corpus": resolved(src.corpus)})
 
 
 def cells(spec: dict) -> list[dict]:
@@ -202,7 +207,7 @@ def run_cell(spec: dict, cell: dict, root: Path, progress: bool = True, train: b
     with autocast:
         results = evaluate(team.policies, team.workflow, team.role_specs, datasets, k=ev.get("k", 4),
                            temperature=ev.get("temperature", cfg.workflow.temperature), seed=1000 + cell["seed"],
-                           progress=progress)
+                           progress=progress, workflows=build.eval_workflows(cfg, spec["eval_sources"], team.workflow))
     if trainer is not None:
         trainer.close()
     # A long study runs many cells in one process: drop this cell's model and optimizer now (the

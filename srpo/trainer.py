@@ -131,6 +131,8 @@ class Trainer:
         team = build.team(cfg, policies)
         self.retriever, self.workflow, self.role_specs, self.policies = (team.retriever, team.workflow,
                                                                          team.role_specs, team.policies)
+        # A held-out set with its own corpus runs in the same workflow over that corpus.
+        self.eval_workflows = build.eval_workflows(cfg, None, self.workflow) if self.eval_sets else {}
         if cfg.method.kl_coef > 0:
             self.policies.freeze_reference()
         if cfg.train.parallel == "fsdp":
@@ -550,7 +552,8 @@ class Trainer:
         with torch.no_grad(), self.autocast(), self.policies.gathered():
             results = evaluate(self.policies, self.workflow, self.role_specs, self.eval_sets, k=e.k,
                                temperature=e.temperature, seed=1000 + self.cfg.run.seed,
-                               max_batch=self.cfg.train.rollout_batch, progress=self.progress)
+                               max_batch=self.cfg.train.rollout_batch, progress=self.progress,
+                               workflows=self.eval_workflows)
         out = {}
         for name, d in results["datasets"].items():
             for key, value in d.items():
