@@ -18,6 +18,8 @@ resumes from its last checkpoint, so the whole study is resumable by running it 
       datasets:
         - {source: synthetic_arithmetic, level: 0, n: 50, seed: 999, name: arith}
     eval_untrained: true      # also evaluate each workflow's starting point (default false)
+    references:               # other untrained starting points, evaluated once (e.g. before a warm start)
+      - {label: base model, set: {model.init_from: ""}}
     keep_checkpoints: false   # delete a cell's checkpoints once it is evaluated (default true)
 
 A full-model checkpoint of the 135M default is ~1.6 GB, so a grid of 20 cells keeps ~32 GB unless
@@ -84,6 +86,10 @@ class StudySpec(Section):
     """How each cell is evaluated after training."""
     eval_untrained: bool = False
     """Also evaluate each distinct workflow's starting point (once, untrained)."""
+    references: list[AxisEntry] = Field(default_factory=list)
+    """Untrained starting points to evaluate once (the first seed) next to the cells — e.g. the
+    model before a warm start (``{label: base model, set: {model.init_from: ""}}``); each applies
+    the study's overrides, then its own ``set``, and is labelled ``untrained (<label>)``."""
     keep_checkpoints: bool = True
     """false: delete a cell's checkpoints once it is evaluated (cell.json and the logs stay)."""
     baseline: str = ""
@@ -109,7 +115,7 @@ def load_study(path: str | Path) -> dict:
     spec["base"] = str((p.parent / typed.base).resolve())
     spec["base_config"] = read_yaml(spec["base"])  # read once: every cell starts from it and records it
     spec["eval_sources"] = [_resolve(src, p.parent) for src in typed.eval.datasets]
-    for cell in cells(spec):
+    for cell in cells(spec) + references(spec):
         try:
             check_eval_corpora(cell_config(spec, cell, Path(spec["output_dir"]) / "_check"), spec["eval_sources"],
                                "eval.datasets")
@@ -143,6 +149,14 @@ def cells(spec: dict) -> list[dict]:
             out.append({"label": label, "seed": seed, "overrides": {**overrides, "run.seed": seed},
                         "axes": {name: e["label"] for (name, _), e in zip(axes, combo)}})
     return out
+
+
+def references(spec: dict) -> list[dict]:
+    """The study's untrained references as cells (the first seed; evaluated, never trained)."""
+    seed = spec["seeds"][0]
+    return [{"label": f"untrained ({ref['label']})", "seed": seed, "axes": {},
+             "overrides": {**(spec.get("overrides") or {}), **(ref.get("set") or {}), "run.seed": seed}}
+            for ref in spec.get("references") or []]
 
 
 def cell_config(spec: dict, cell: dict, run_dir: Path):
@@ -341,6 +355,8 @@ def run_study(path: str | Path, progress: bool = True, only: int | None = None) 
             seen.add(key)
             base = {**cell, "label": f"untrained ({cell['label']} workflow)", "seed": spec["seeds"][0]}
             records.append(run_cell(spec, base, root, progress, train=False))
+    for ref in references(spec):
+        records.append(run_cell(spec, ref, root, progress, train=False))
     for i, cell in enumerate(todo[:only] if only else todo):
         if progress:
             print(f"[{i + 1}/{len(todo)}] {cell['label']} seed {cell['seed']}", flush=True)
@@ -356,18 +372,21 @@ T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8:
        29: 2.045, 30: 2.042}
 
 
-def paired_differences(records: list[dict], baseline: str, metric: str) -> dict[str, dict[str, Any]]:
-    """Per cell label: the seed-by-seed difference of ``metric`` (a key of ``eval.macro``) from the
-    ``baseline`` cell on the seeds both finished — mean, standard error, 95% t interval, and
-    whether that interval excludes 0.  Pairing (the same seed for both) removes the variance the
-    cells share: task order, first rollout, evaluation draws."""
-    base = {r["seed"]: r["eval"]["macro"][metric] for r in records if r["label"] == baseline}
+def paired_differences(records: list[dict], baseline: str, metric: str,
+                       dataset: str | None = None) -> dict[str, dict[str, Any]]:
+    """Per cell label: the seed-by-seed difference of ``metric`` (of ``eval.macro``, or of one
+    ``dataset``) from the ``baseline`` cell on the seeds both finished — mean, standard error, 95%
+    t interval, and whether that interval excludes 0.  Pairing (the same seed for both) removes the
+    variance the cells share: task order, first rollout, evaluation draws."""
+    def value(r):
+        return r["eval"]["datasets"][dataset][metric] if dataset else r["eval"]["macro"][metric]
+
+    base = {r["seed"]: value(r) for r in records if r["label"] == baseline}
     out = {}
     for label in dict.fromkeys(r["label"] for r in records):
         if label == baseline or label.startswith("untrained"):
             continue
-        diffs = [r["eval"]["macro"][metric] - base[r["seed"]] for r in records
-                 if r["label"] == label and r["seed"] in base]
+        diffs = [value(r) - base[r["seed"]] for r in records if r["label"] == label and r["seed"] in base]
         if not diffs:
             continue
         mean, se = mean_se(diffs)
@@ -378,8 +397,9 @@ def paired_differences(records: list[dict], baseline: str, metric: str) -> dict[
     return out
 
 
-def paired_table(diffs: dict[str, dict[str, Any]], baseline: str, metric: str) -> str:
-    lines = [f"Paired differences in held-out macro {metric} against `{baseline}` (same seeds; 95% t interval):", "",
+def paired_table(diffs: dict[str, dict[str, Any]], baseline: str, metric: str, dataset: str | None = None) -> str:
+    lines = [f"Paired differences in held-out {dataset or 'macro'} {metric} against `{baseline}` (same seeds; "
+             f"95% t interval):", "",
              "| cell | seeds | mean difference | SE | 95% CI | significant at 5% |", "|---|---:|---:|---:|---|---|"]
     for label, d in diffs.items():
         lo, hi = d["ci95"]
@@ -457,6 +477,12 @@ def write_results(root: Path, records: list[dict], spec: dict) -> None:
     if baseline and any(r["label"] == baseline for r in records):
         extra["paired"] = {m: paired_differences(records, baseline, m) for m in (f"avg@{k}", f"pass@{k}")}
         text += "\n" + paired_table(extra["paired"][f"avg@{k}"], baseline, f"avg@{k}")
+        datasets = list(dict.fromkeys(d for r in records for d in r["eval"]["datasets"]))
+        if len(datasets) > 1:  # the macro average can hide a gain on one set and a loss on another
+            extra["paired_by_dataset"] = {d: {m: paired_differences(records, baseline, m, d)
+                                              for m in (f"avg@{k}", f"pass@{k}")} for d in datasets}
+            for d in datasets:
+                text += "\n" + paired_table(extra["paired_by_dataset"][d][f"avg@{k}"], baseline, f"avg@{k}", d)
     extra["mechanism"] = mechanism(root, records)
     extra["first_rollout_reward"] = pairing_check(root, records)
     (root / "results.md").write_text(f"# Study: {root.name}\n\n{spec.get('description', '')}\n\n{text}")

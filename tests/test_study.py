@@ -88,6 +88,55 @@ def test_paired_differences_against_the_baseline():
     assert out["dr_mas"]["n"] == 1 and not out["dr_mas"]["significant"]
 
 
+def test_paired_differences_per_dataset_see_what_the_macro_average_hides():
+    from srpo.study import paired_differences
+
+    def record(label, seed, kb, hotpot):
+        return {"label": label, "seed": seed, "eval": {"datasets": {"kb": {"avg@2": kb}, "hotpot": {"avg@2": hotpot}},
+                                                       "macro": {"avg@2": (kb + hotpot) / 2}}}
+
+    # srpo gains 0.2 on kb and loses 0.2 on hotpot, seed by seed (with a little noise): the macro
+    # difference is ~0, the per-dataset ones are significant and opposite.
+    jitter, other = [0.01, -0.01, 0.02, 0.0, -0.02], [0.03, 0.0, -0.02, 0.01, -0.02]
+    records = [record("grpo", s, 0.5, 0.3) for s in range(5)]
+    records += [record("srpo", s, 0.7 + j, 0.1 + o) for s, (j, o) in enumerate(zip(jitter, other))]
+    macro = paired_differences(records, "grpo", "avg@2")["srpo"]
+    kb = paired_differences(records, "grpo", "avg@2", "kb")["srpo"]
+    hotpot = paired_differences(records, "grpo", "avg@2", "hotpot")["srpo"]
+    assert macro["mean"] == pytest.approx(0.0) and not macro["significant"]
+    assert kb["mean"] == pytest.approx(0.2) and kb["significant"]
+    assert hotpot["mean"] == pytest.approx(-0.2) and hotpot["significant"]
+
+
+def test_references_are_evaluated_untrained_with_their_own_overrides(tmp_path):
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump({
+        "run": {"steps": 1}, "model": {"name": "tiny-llama"},
+        "workflow": {"name": "parallel_aggregate", "options": {"num_workers": 2}, "max_new_tokens": 4},
+        "task": {"kind": "math", "train": {"source": "synthetic_arithmetic", "level": 0, "n": 8}},
+        "train": {"tasks_per_step": 1, "group_size": 2}, "checkpoint": {"every": 0}, "log": {"tensorboard": False},
+    }))
+    study = tmp_path / "study.yaml"
+    study.write_text(yaml.safe_dump({
+        "output_dir": str(tmp_path / "out"), "base": "base.yaml", "overrides": {"workflow.max_new_tokens": 3},
+        "axes": {"method": [{"label": "srpo", "set": {}}]}, "seeds": [4, 5], "keep_checkpoints": False,
+        "references": [{"label": "one worker", "set": {"workflow.options": {"num_workers": 1}}}],
+        "eval": {"k": 1, "datasets": [{"source": "synthetic_arithmetic", "level": 0, "n": 2, "seed": 9, "name": "a"}]},
+    }))
+    run_study(study, progress=False, only=1)
+    ref = tmp_path / "out" / "untrained (one worker)" / "seed4"
+    record = json.loads((ref / "cell.json").read_text())
+    assert record["recipe"]["train"] is False and record["eval"]["datasets"]["a"]["n"] == 2
+    assert record["recipe"]["overrides"] == {"workflow.max_new_tokens": 3, "workflow.options": {"num_workers": 1},
+                                             "run.seed": 4}
+    assert not (ref / "metrics.jsonl").exists(), "a reference never trains"
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [c["label"] for c in data["cells"]] == ["untrained (one worker)", "srpo"]
+    (tmp_path / "study.yaml").write_text(study.read_text().replace("num_workers: 1", "num_wrkers: 1"))
+    with pytest.raises(ConfigError, match=r"cell untrained \(one worker\).*num_wrkers"):
+        run_study(study, progress=False)
+
+
 def test_mechanism_reads_by_k_metrics_per_seed(tmp_path):
     from srpo.study import mechanism
 
