@@ -50,6 +50,29 @@ def test_scripted_search_team_transcripts_train_and_warm_start_rl(tmp_path):
     rl.close()
 
 
+@pytest.mark.parametrize("workflow, options, script, turns", [
+    ("search_team", "{num_searchers: 2, max_turns: 2, top_k: 3}", "search_team",
+     ["verifier", "searcher_1", "searcher_2", "verifier", "answerer"]),
+    ("search", "{max_turns: 2, top_k: 3}", "search", ["searcher", "searcher"]),
+])
+def test_the_builtin_scripts_find_answers_in_their_workflows(tmp_path, workflow, options, script, turns):
+    """Each shipped script plays its workflow as a competent team would: it searches first, then
+    answers from the passages — most episodes earn reward 1 (the rest did not retrieve the answer)."""
+    from srpo.policies.tiny import byte_tokenizer
+    from srpo.sft import scripted_transcripts
+    from srpo.tasks import scripts
+
+    cfg = load_config(ROOT / "configs" / "studies" / "search_base.yaml",
+                      [f"workflow.name={workflow}", f"workflow.options={options}",
+                       "workflow.max_new_tokens=200"])  # byte tokens: room for a whole query
+    kept, stats = scripted_transcripts(cfg, getattr(scripts, script), 40, 1.0, byte_tokenizer(), progress=False)
+    assert stats["mean_reward"] > 0.5 and len(kept) > 20, stats
+    first = kept[0]["turns"]
+    assert [t["role"] for t in first] == turns
+    assert first[0]["output"] == "SEARCH" if workflow == "search_team" else first[0]["output"].startswith("<search>")
+    assert first[-1]["output"].startswith("<answer>") and first[-1]["output"] != "<answer>unknown</answer>"
+
+
 def test_sft_teaches_a_role_its_format(tmp_path):
     """A memorised format: after SFT the role's greedy answer is the transcript's output."""
     from srpo import build

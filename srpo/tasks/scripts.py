@@ -34,7 +34,9 @@ def search_team(role: str, prompt: str, task: Task) -> str:
 
 def search(role: str, prompt: str, task: Task) -> str:
     """``search`` (one agent): search with the question, then answer from the information."""
-    if "<information>" not in prompt:
+    # Only what follows the question counts: the system prompt names the <information> tag too.
+    context = prompt.rsplit(task.question, 1)[-1]
+    if "<information>" not in context:
         return f"<search>{task.question}</search>"
-    found = _found(task, prompt.split("<information>", 1)[-1])
+    found = _found(task, context.split("<information>", 1)[-1])
     return f"<answer>{found or 'unknown'}</answer>"
