@@ -165,7 +165,7 @@ def test_every_shipped_study_file_validates(tmp_path, monkeypatch):
 
     studies = sorted((Path(__file__).resolve().parents[1] / "configs" / "studies").glob("*.yaml"))
     monkeypatch.chdir(tmp_path)
-    for warm_start in ("runs/sft-search_team/model", "runs/sft-search/model"):
+    for warm_start in ("runs/warm-search_team/model", "runs/warm-search/model"):
         (tmp_path / warm_start).mkdir(parents=True)
     checked = 0
     for path in studies:
