@@ -353,6 +353,31 @@ def test_fast_decode_samples_what_hf_samples(model_name, bf16):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5 if not bf16 else 1e-3)
 
 
+@pytest.mark.parametrize("fast_decode", [True, False])
+def test_a_prefill_split_under_its_memory_budget_samples_the_same(monkeypatch, fast_decode):
+    """Long prompts in a large batch prefill in chunks of rows (their attention scores bounded);
+    the joined cache continues exactly as the one-piece prefill's would."""
+    from srpo.policies import sampling
+
+    model, tok = load_model("tiny-llama")
+    model.eval()
+    prompts, params = _mixed_prompts(tok, 7), _mixed_params(7)
+    prompts[3] = prompts[0]  # a repeated prompt: prefilled once, expanded to both rows
+    whole = sample(model, tok, prompts, params, generator=torch.Generator().manual_seed(5), fast_decode=fast_decode)
+    calls = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **kw: calls.append(kw["input_ids"].shape[0]) or forward(*a, **kw))
+    P = max(len(p) for p in prompts)
+    monkeypatch.setattr(sampling, "PREFILL_SCORE_BUDGET", 2 * model.config.num_attention_heads * P * P * 4)
+    split = sample(model, tok, prompts, params, generator=torch.Generator().manual_seed(5), fast_decode=fast_decode)
+    distinct = len({tuple(p) for p in prompts})
+    assert distinct >= 3 and calls[:(distinct + 1) // 2] == [2] * (distinct // 2) + [1] * (distinct % 2), \
+        "2 distinct prompts per prefill chunk"
+    assert [s.completion_ids for s in split] == [s.completion_ids for s in whole]
+    for a, b in zip(split, whole):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
 @pytest.mark.parametrize("model_name", ["tiny-llama", "tiny-qwen2"])
 def test_fast_decode_step_logits_equal_hf_forward(model_name):
     """One step from a left-padded prefill: the lean step's logits are the HF forward's."""

@@ -89,6 +89,10 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
     return drawn
 
 
+# Most bytes of attention scores one prefill chunk may hold (rows × heads × P² × 4).
+PREFILL_SCORE_BUDGET = 1 << 30
+
+
 @torch.no_grad()
 def sample(
     model,
@@ -150,9 +154,28 @@ def sample(
     unique_rows = torch.tensor([expand.index(u) for u in range(len(first_of))], device=device)
     pre_extra = {"adapter_names": [adapter_names[i] for i in unique_rows.tolist()]} if adapter_names is not None else {}
     pre_attn = attn[unique_rows]
-    out = model(input_ids=ids[unique_rows], attention_mask=pre_attn, position_ids=position_ids_from_mask(pre_attn),
-                use_cache=True, logits_to_keep=1, **{cache_kw: cache}, **pre_extra)
-    next_logits = out.logits[:, -1][expand_t]  # (B, V)
+    # The prefill's attention scores take U·heads·P² floats at once: long retrieved contexts in a
+    # large batch (HotpotQA passages, 60 episodes) reached 17 GB and were killed.  Rows go through
+    # in chunks under PREFILL_SCORE_BUDGET (each row attends only within itself, so the chunks'
+    # caches join along the batch).
+    heads = getattr(model.config, "num_attention_heads", None) or getattr(
+        getattr(model.config, "text_config", None), "num_attention_heads", 16)
+    per_chunk = max(1, PREFILL_SCORE_BUDGET // (heads * P * P * 4))
+    logits_parts, caches = [], []
+    for start in range(0, len(first_of), per_chunk):
+        part = slice(start, start + per_chunk)
+        chunk_cache = cache if start == 0 else DynamicCache()
+        chunk_extra = {"adapter_names": pre_extra["adapter_names"][part]} if pre_extra else {}
+        out = model(input_ids=ids[unique_rows][part], attention_mask=pre_attn[part],
+                    position_ids=position_ids_from_mask(pre_attn[part]), use_cache=True, logits_to_keep=1,
+                    **{cache_kw: chunk_cache}, **chunk_extra)
+        logits_parts.append(out.logits[:, -1])
+        caches.append(chunk_cache)
+    if len(caches) > 1:
+        for i, layer in enumerate(cache.layers):
+            layer.keys = torch.cat([c.layers[i].keys for c in caches])
+            layer.values = torch.cat([c.layers[i].values for c in caches])
+    next_logits = torch.cat(logits_parts)[expand_t]  # (B, V)
     if decoder is not None:
         state = decoder.start(cache, expand_t, capacity=P + max(limits))
         del cache
