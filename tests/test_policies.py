@@ -378,6 +378,23 @@ def test_a_prefill_split_under_its_memory_budget_samples_the_same(monkeypatch, f
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
 
 
+def test_a_call_over_its_kv_budget_is_split_and_greedy_rows_are_unchanged(monkeypatch):
+    from srpo.policies import sampling
+
+    model, tok = load_model("tiny-llama")
+    model.eval()
+    prompts = _mixed_prompts(tok, 6)
+    params = [SamplingParams(max_new_tokens=8, temperature=0)] * 6
+    whole = sample(model, tok, prompts, params)
+    monkeypatch.setattr(sampling, "SAMPLE_KV_BUDGET", 1)  # every row alone
+    calls = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **kw: calls.append(kw["input_ids"].shape[0]) or forward(*a, **kw))
+    split = sample(model, tok, prompts, params, fast_decode=False)
+    assert [s.completion_ids for s in split] == [s.completion_ids for s in whole]
+    assert set(calls) == {1}, "one row per call"
+
+
 @pytest.mark.parametrize("model_name", ["tiny-llama", "tiny-qwen2"])
 def test_fast_decode_step_logits_equal_hf_forward(model_name):
     """One step from a left-padded prefill: the lean step's logits are the HF forward's."""

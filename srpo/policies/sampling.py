@@ -91,6 +91,18 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
 
 # Most bytes of attention scores one prefill chunk may hold (rows × heads × P² × 4).
 PREFILL_SCORE_BUDGET = 1 << 30
+# Most bytes of KV cache one sample() call may hold (rows × tokens × _kv_bytes_per_token).
+SAMPLE_KV_BUDGET = 4 << 30
+
+
+def _kv_bytes_per_token(model) -> int:
+    """Bytes one token's keys and values take, counted three times over: the prefill's cache,
+    its join, and the decoder's float32 buffers."""
+    cfg = getattr(model.config, "text_config", None) or model.config
+    heads = getattr(cfg, "num_attention_heads", 16)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    return 3 * 2 * cfg.num_hidden_layers * kv_heads * head_dim * 4
 
 
 @torch.no_grad()
@@ -119,6 +131,14 @@ def sample(
         return []
     if isinstance(params, SamplingParams):
         params = [params] * B
+    longest = max(len(p) for p in prompts) + max(s.max_new_tokens for s in params)
+    if B > 1 and B * longest * _kv_bytes_per_token(model) > SAMPLE_KV_BUDGET:
+        # Long contexts in a large batch: the KV cache alone outgrows memory (60 HotpotQA
+        # episodes of ~2,000 tokens: 17.5 GB, OOM-killed), so the rows go in two calls.
+        half, kw = B // 2, {"generator": generator, "fast_decode": fast_decode}
+        names = adapter_names or None
+        return (sample(model, tokenizer, prompts[:half], params[:half], adapter_names=names and names[:half], **kw)
+                + sample(model, tokenizer, prompts[half:], params[half:], adapter_names=names and names[half:], **kw))
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     P = max(len(p) for p in prompts)
