@@ -95,10 +95,15 @@ PREFILL_SCORE_BUDGET = 1 << 30
 SAMPLE_KV_BUDGET = 4 << 30
 
 
+def _text_config(model):
+    """The language model's config (a multimodal config nests it as ``text_config``)."""
+    return getattr(model.config, "text_config", None) or model.config
+
+
 def _kv_bytes_per_token(model) -> int:
     """Bytes one token's keys and values take, counted three times over: the prefill's cache,
     its join, and the decoder's float32 buffers."""
-    cfg = getattr(model.config, "text_config", None) or model.config
+    cfg = _text_config(model)
     heads = getattr(cfg, "num_attention_heads", 16)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
@@ -174,19 +179,18 @@ def sample(
     unique_rows = torch.tensor([expand.index(u) for u in range(len(first_of))], device=device)
     pre_extra = {"adapter_names": [adapter_names[i] for i in unique_rows.tolist()]} if adapter_names is not None else {}
     pre_attn = attn[unique_rows]
-    # The prefill's attention scores take U·heads·P² floats at once: long retrieved contexts in a
-    # large batch (HotpotQA passages, 60 episodes) reached 17 GB and were killed.  Rows go through
-    # in chunks under PREFILL_SCORE_BUDGET (each row attends only within itself, so the chunks'
-    # caches join along the batch).
-    heads = getattr(model.config, "num_attention_heads", None) or getattr(
-        getattr(model.config, "text_config", None), "num_attention_heads", 16)
+    # The prefill's attention scores take U·heads·P² floats at once; with long retrieved contexts
+    # rows go through in chunks under PREFILL_SCORE_BUDGET (each row attends only within itself,
+    # so the chunks' caches join along the batch).  The KV cache itself is bounded above.
+    heads = getattr(_text_config(model), "num_attention_heads", 16)
     per_chunk = max(1, PREFILL_SCORE_BUDGET // (heads * P * P * 4))
+    pre_ids = ids[unique_rows]
     logits_parts, caches = [], []
     for start in range(0, len(first_of), per_chunk):
         part = slice(start, start + per_chunk)
         chunk_cache = cache if start == 0 else DynamicCache()
         chunk_extra = {"adapter_names": pre_extra["adapter_names"][part]} if pre_extra else {}
-        out = model(input_ids=ids[unique_rows][part], attention_mask=pre_attn[part],
+        out = model(input_ids=pre_ids[part], attention_mask=pre_attn[part],
                     position_ids=position_ids_from_mask(pre_attn[part]), use_cache=True, logits_to_keep=1,
                     **{cache_kw: chunk_cache}, **chunk_extra)
         logits_parts.append(out.logits[:, -1])
