@@ -230,7 +230,7 @@ def test_every_config_in_configs_validates(tmp_path, monkeypatch):
 
     # search_warmstart.yaml starts from the warm starts `srpo sft` writes first (paths from the root).
     monkeypatch.chdir(tmp_path)
-    for name in ("warm-search_team", "warm-search", "sft-search_team", "sft-search"):
+    for name in ("warm-search_team", "warm-search", "warm-search-matched", "sft-search_team", "sft-search"):
         (tmp_path / "runs" / name / "model").mkdir(parents=True)
 
     runs = [f for f in glob.glob(str(ROOT / "configs" / "**" / "*.yaml"), recursive=True)
