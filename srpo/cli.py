@@ -105,6 +105,18 @@ def _checkpoint_for_eval(model: str) -> Path | None:
                           + (":\n  " + "\n  ".join(problems) if problems else ""))
 
 
+def _sft_output_for_eval(model: str) -> Path | None:
+    """The ``srpo sft`` output folder ``--model`` names — the folder itself or its ``model/`` — or
+    None.  Its ``model/`` holds weights per layout (``shared/``, adapters, one folder per role), not
+    one HF model: it is evaluated as its base model with ``model.init_from``, as RL starts from it."""
+    path = Path(model)
+    for folder in (path, path.parent):
+        if (folder / "sft.json").is_file() and (folder / "config.json").is_file() and (folder / "model").is_dir() \
+                and path.resolve() in (folder.resolve(), (folder / "model").resolve()):
+            return folder
+    return None
+
+
 def _eval(args) -> int:
     import torch
 
@@ -115,28 +127,35 @@ def _eval(args) -> int:
     from srpo.workflows.builtins import WORKFLOWS
 
     sources = _parse_data(args.data)
+    checkpoint = _checkpoint_for_eval(args.model)
+    warm_start = _sft_output_for_eval(args.model) if checkpoint is None else None
+    if checkpoint is not None:  # a training checkpoint: rebuild its layout and load its weights
+        data = build.checkpoint_config(checkpoint)
+        data["task"]["eval"] = []
+    elif warm_start is not None:  # srpo sft's output: its base model, layout and workflow, its weights
+        data = json.loads((warm_start / "config.json").read_text())
+        data["model"]["init_from"] = str(warm_start / "model")
+        data["task"]["eval"] = []
+        print(f"evaluating the warm start in {warm_start}", file=sys.stderr)
+    else:
+        data = {"model": {"name": args.model, "layout": "shared"}}
+    # The workflow: --workflow, else the one the checkpoint or warm start was trained in, else single.
+    workflow_ = data.setdefault("workflow", {})
+    workflow_["name"] = args.workflow or workflow_.get("name") or "single"
+    if args.workflow or args.options:
+        try:
+            workflow_["options"] = json.loads(args.options) if args.options else {}
+        except json.JSONDecodeError as err:
+            raise UsageError(f"--options {args.options!r}: not JSON ({err.msg})") from None
     kind = args.kind
-    if kind is None and args.workflow and args.workflow in WORKFLOWS:
-        kind = WORKFLOWS[args.workflow].kind if WORKFLOWS.meta(args.workflow)["needs_retriever"] else None
+    if kind is None and workflow_["name"] in WORKFLOWS:
+        kind = WORKFLOWS[workflow_["name"]].kind if WORKFLOWS.meta(workflow_["name"])["needs_retriever"] else None
     if kind is None:  # from the data: graded by the wrong kind, a dataset scores silently wrong
         kinds = {k for k in (guess_kind(s) for s in sources) if k}
         if len(kinds) > 1:
             raise UsageError(f"--data mixes task kinds ({', '.join(sorted(kinds))}); evaluate them separately, "
                              f"each with its --kind")
         kind = kinds.pop() if kinds else "math"  # hub datasets cannot be looked at before loading: the default kind
-    checkpoint = _checkpoint_for_eval(args.model)
-    if checkpoint is not None:  # a training checkpoint: rebuild its layout and load its weights
-        data = build.checkpoint_config(checkpoint)
-        data["task"]["eval"] = []
-    else:
-        data = {"model": {"name": args.model, "layout": "shared"}}
-    data.setdefault("workflow", {})
-    if args.workflow:
-        data["workflow"]["name"] = args.workflow
-        try:
-            data["workflow"]["options"] = json.loads(args.options) if args.options else {}
-        except json.JSONDecodeError as err:
-            raise UsageError(f"--options {args.options!r}: not JSON ({err.msg})") from None
     data.setdefault("task", {})
     data["task"]["kind"] = kind
     data["task"]["eval"] = [s.model_dump() for s in sources]
@@ -174,8 +193,8 @@ def _sft(args) -> int:
     cfg = load_config(args.config, args.set)
     check_sft_config(cfg)  # before any model loads
     model = run_sft(cfg)
-    print(f"done: fine-tuned weights in {model}; start RL from them with --set model.init_from={model} "
-          f"(same model.layout: {cfg.model.layout})")
+    print(f"done: fine-tuned weights in {model}; evaluate them with srpo eval --model {model.parent} --data ...; "
+          f"start RL from them with --set model.init_from={model} (same model.layout: {cfg.model.layout})")
     return 0
 
 
@@ -277,9 +296,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_sft)
 
     p = sub.add_parser("eval", help="avg@k / pass@k of a model or checkpoint in a workflow")
-    p.add_argument("--model", required=True, help="registered name, HF path/id, or a run's checkpoint folder")
-    p.add_argument("--workflow", default="single")
-    p.add_argument("--options", default="", help='workflow options as JSON, e.g. \'{"num_workers": 3}\'')
+    p.add_argument("--model", required=True,
+                   help="registered name, HF path/id, a run's checkpoint folder, or srpo sft's output folder")
+    p.add_argument("--workflow", default=None,
+                   help="default: the workflow the checkpoint or warm start was trained in, else single")
+    p.add_argument("--options", default="",
+                   help='workflow options as JSON, e.g. \'{"num_workers": 3}\' (default with --workflow: none)')
     p.add_argument("--data", action="append", required=True,
                    help="FILE[,FILE...], hub:ID, synthetic_arithmetic:level=2:n=100:seed=7, synthetic_kb:n=50")
     p.add_argument("--kind", default=None,

@@ -26,6 +26,10 @@ def test_train_eval_report_roundtrip(tmp_path, capsys):
     ds = result["datasets"]["arith-L1-s5"]
     assert ds["n"] == 3 and 0 <= ds["avg@2"] <= ds["pass@2"] <= 1
     assert "| **macro** |" in (tmp_path / "eval" / "eval.md").read_text()
+    # Without --workflow a checkpoint runs in the workflow (and options) it was trained in.
+    assert main(["eval", "--model", str(run), "--data", "synthetic_arithmetic:level=1:n=2:seed=5", "-k", "1",
+                 "--max-new-tokens", "4", "--out", str(tmp_path / "eval2")]) == 0
+    assert "parallel_aggregate" in (tmp_path / "eval2" / "eval.md").read_text().splitlines()[0]
     assert main(["report", str(run)]) == 0
     report = (run / "report.md").read_text()
     assert "![reward_accuracy](report/reward_accuracy.png)" in report

@@ -47,7 +47,30 @@ def test_scripted_search_team_transcripts_train_and_warm_start_rl(tmp_path):
     params = dict(rl.policies.model.named_parameters())
     name = next(k for k in saved if "layers.0.self_attn.q_proj" in k)
     assert torch.equal(params[name], saved[name])
+    policies_class = type(rl.policies)
     rl.close()
+    # srpo eval of the warm start (the output folder or its model/): the base model with these
+    # weights, in the SFT run's layout and workflow (model/ is not one HF folder: shared/, adapters…).
+    from srpo.cli import _sft_output_for_eval, main
+
+    assert _sft_output_for_eval(str(out)) == out and _sft_output_for_eval(str(model_dir)) == out
+    assert _sft_output_for_eval(str(model_dir / "shared")) is None and _sft_output_for_eval(str(tmp_path)) is None
+    loaded = []
+    original = policies_class.load_pretrained_weights
+
+    def spy(self, folder):
+        loaded.append(Path(folder))
+        return original(self, folder)
+
+    policies_class.load_pretrained_weights = spy
+    try:
+        assert main(["eval", "--model", str(model_dir), "--data", "synthetic_kb:n=2:seed=777:corpus=synthetic_kb",
+                     "-k", "1", "--max-new-tokens", "4", "--out", str(tmp_path / "eval")]) == 0
+    finally:
+        policies_class.load_pretrained_weights = original
+    assert loaded == [model_dir]
+    result = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert result["datasets"]["kb-s777"]["n"] == 2
 
 
 @pytest.mark.parametrize("workflow, options, script, turns", [
