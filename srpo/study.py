@@ -390,10 +390,13 @@ def paired_differences(records: list[dict], baseline: str, metric: str,
         if not diffs:
             continue
         mean, se = mean_se(diffs)
-        half = T95.get(len(diffs) - 1, 1.96) * se if len(diffs) > 1 else float("nan")
-        out[label] = {"n": len(diffs), "seeds": sorted(r["seed"] for r in records if r["label"] == label and r["seed"] in base),
-                      "mean": mean, "se": se, "ci95": [mean - half, mean + half],
-                      "significant": bool(len(diffs) > 1 and (mean - half > 0 or mean + half < 0))}
+        seeds = sorted(r["seed"] for r in records if r["label"] == label and r["seed"] in base)
+        if len(diffs) < 2:  # one seed: no spread to estimate (None, not NaN: results.json stays valid JSON)
+            out[label] = {"n": 1, "seeds": seeds, "mean": mean, "se": None, "ci95": None, "significant": False}
+            continue
+        half = T95.get(len(diffs) - 1, 1.96) * se
+        out[label] = {"n": len(diffs), "seeds": seeds, "mean": mean, "se": se, "ci95": [mean - half, mean + half],
+                      "significant": bool(mean - half > 0 or mean + half < 0)}
     return out
 
 
@@ -402,6 +405,9 @@ def paired_table(diffs: dict[str, dict[str, Any]], baseline: str, metric: str, d
              f"95% t interval):", "",
              "| cell | seeds | mean difference | SE | 95% CI | significant at 5% |", "|---|---:|---:|---:|---|---|"]
     for label, d in diffs.items():
+        if d["ci95"] is None:
+            lines.append(f"| {label} | {d['n']} | {d['mean']:+.3f} | – | – | – (one seed) |")
+            continue
         lo, hi = d["ci95"]
         lines.append(f"| {label} | {d['n']} | {d['mean']:+.3f} | {d['se']:.3f} | [{lo:+.3f}, {hi:+.3f}] | "
                      f"{'yes' if d['significant'] else 'no'} |")

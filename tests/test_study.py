@@ -85,7 +85,11 @@ def test_paired_differences_against_the_baseline():
     assert s["n"] == 5 and s["mean"] == pytest.approx(0.10) and s["se"] == pytest.approx(sd / 5 ** 0.5)
     assert s["ci95"][0] == pytest.approx(0.10 - T95[4] * s["se"]) and s["significant"]
     assert not out["gspo"]["significant"] and out["gspo"]["ci95"][0] < 0 < out["gspo"]["ci95"][1]
-    assert out["dr_mas"]["n"] == 1 and not out["dr_mas"]["significant"]
+    assert out["dr_mas"]["n"] == 1 and not out["dr_mas"]["significant"] and out["dr_mas"]["ci95"] is None
+    json.dumps(out, allow_nan=False)  # results.json stays valid JSON (no NaN for the one-seed cell)
+    from srpo.study import paired_table
+
+    assert "| dr_mas | 1 | +0.400 | – | – | – (one seed) |" in paired_table(out, "grpo", "avg@2")
 
 
 def test_paired_differences_per_dataset_see_what_the_macro_average_hides():
