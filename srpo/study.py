@@ -475,6 +475,18 @@ def pairing_check(root: Path, records: list[dict]) -> dict[str, Any]:
     return out
 
 
+def _nan_to_none(obj: Any) -> Any:
+    """``obj`` with every non-finite float as None: a one-seed SE or an empty mean is NaN here, and
+    NaN is not JSON (jq, JavaScript and strict parsers refuse the file)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _nan_to_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_nan_to_none(v) for v in obj]
+    return obj
+
+
 def write_results(root: Path, records: list[dict], spec: dict) -> None:
     k = spec["eval"].get("k", 4)
     text, table = summarize(records, k)
@@ -492,7 +504,8 @@ def write_results(root: Path, records: list[dict], spec: dict) -> None:
     extra["mechanism"] = mechanism(root, records)
     extra["first_rollout_reward"] = pairing_check(root, records)
     (root / "results.md").write_text(f"# Study: {root.name}\n\n{spec.get('description', '')}\n\n{text}")
-    (root / "results.json").write_text(json.dumps({"table": table, **extra, "cells": records}, indent=1, default=str))
+    results = _nan_to_none({"table": table, **extra, "cells": records})
+    (root / "results.json").write_text(json.dumps(results, indent=1, default=str, allow_nan=False))
     from srpo.report import plot_mechanism, plot_study
 
     plot_study(root, records, k)

@@ -30,7 +30,9 @@ def test_study_runs_tabulates_and_resumes(tmp_path, monkeypatch):
     results = run_study(study, progress=False)
     text = results.read_text()
     assert "| srpo | 2 |" in text and "| grpo | 2 |" in text and "macro avg@2" in text
-    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    # Strict JSON: the one-seed untrained row has no SE (None, not NaN, which jq and browsers refuse).
+    data = json.loads((tmp_path / "out" / "results.json").read_text(),
+                      parse_constant=lambda c: pytest.fail(f"results.json holds {c}"))
     assert len(data["cells"]) == 5, "4 trained cells + the untrained starting point of their one workflow"
     assert "| untrained (srpo workflow) | 1 |" in text
     assert all("grad_norm" in c["diagnostics"] for c in data["cells"] if not c["label"].startswith("untrained"))
