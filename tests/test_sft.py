@@ -20,7 +20,7 @@ def sft_overrides(tmp_path, *extra):
             "train.group_size=2", *extra]
 
 
-def test_scripted_search_team_transcripts_train_and_warm_start_rl(tmp_path):
+def test_scripted_search_team_transcripts_train_and_warm_start_rl(tmp_path, monkeypatch):
     from srpo.sft import run_sft
     from srpo.trainer import Trainer
 
@@ -62,12 +62,9 @@ def test_scripted_search_team_transcripts_train_and_warm_start_rl(tmp_path):
         loaded.append(Path(folder))
         return original(self, folder)
 
-    policies_class.load_pretrained_weights = spy
-    try:
-        assert main(["eval", "--model", str(model_dir), "--data", "synthetic_kb:n=2:seed=777:corpus=synthetic_kb",
-                     "-k", "1", "--max-new-tokens", "4", "--out", str(tmp_path / "eval")]) == 0
-    finally:
-        policies_class.load_pretrained_weights = original
+    monkeypatch.setattr(policies_class, "load_pretrained_weights", spy)
+    assert main(["eval", "--model", str(model_dir), "--data", "synthetic_kb:n=2:seed=777:corpus=synthetic_kb",
+                 "-k", "1", "--max-new-tokens", "4", "--out", str(tmp_path / "eval")]) == 0
     assert loaded == [model_dir]
     result = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert result["datasets"]["kb-s777"]["n"] == 2
