@@ -110,9 +110,8 @@ def _sft_output_for_eval(model: str) -> Path | None:
     None.  Its ``model/`` holds weights per layout (``shared/``, adapters, one folder per role), not
     one HF model: it is evaluated as its base model with ``model.init_from``, as RL starts from it."""
     path = Path(model)
-    for folder in (path, path.parent):
-        if (folder / "sft.json").is_file() and (folder / "config.json").is_file() and (folder / "model").is_dir() \
-                and path.resolve() in (folder.resolve(), (folder / "model").resolve()):
+    for folder in (path, path.parent) if path.name == "model" else (path,):
+        if (folder / "sft.json").is_file() and (folder / "config.json").is_file() and (folder / "model").is_dir():
             return folder
     return None
 
@@ -131,11 +130,9 @@ def _eval(args) -> int:
     warm_start = _sft_output_for_eval(args.model) if checkpoint is None else None
     if checkpoint is not None:  # a training checkpoint: rebuild its layout and load its weights
         data = build.checkpoint_config(checkpoint)
-        data["task"]["eval"] = []
     elif warm_start is not None:  # srpo sft's output: its base model, layout and workflow, its weights
         data = json.loads((warm_start / "config.json").read_text())
         data["model"]["init_from"] = str(warm_start / "model")
-        data["task"]["eval"] = []
         print(f"evaluating the warm start in {warm_start}", file=sys.stderr)
     else:
         data = {"model": {"name": args.model, "layout": "shared"}}
