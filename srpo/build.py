@@ -39,7 +39,7 @@ def method(cfg: Config):
 def train_tasks(cfg: Config) -> list[Task]:
     from srpo.data import load_tasks
 
-    return load_tasks(cfg.task.train, cfg.task.kind)
+    return load_tasks(cfg.task.train, cfg.task.kind, held_out=False)
 
 
 def eval_sets(cfg: Config, sources: list[DataSource] | None = None, n: int | None = None) -> dict[str, list[Task]]:
@@ -50,7 +50,7 @@ def eval_sets(cfg: Config, sources: list[DataSource] | None = None, n: int | Non
     n = cfg.eval.n if n is None else n
     out = {}
     for src in cfg.task.eval if sources is None else sources:
-        out[source_name(src)] = load_tasks(src, cfg.task.kind)[: n or None]
+        out[source_name(src)] = load_tasks(src, cfg.task.kind, held_out=True)[: n or None]
     return out
 
 

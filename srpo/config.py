@@ -136,13 +136,17 @@ class DataSource(Section):
     name: str = ""
     """Display name (default: derived from the source)."""
     n: int = 1000
-    """synthetic: how many problems; files: at most this many rows (0: all)."""
+    """synthetic: how many problems (0: every problem of the split once, for arithmetic levels
+    0, 1, 2, 4, 5); files: at most this many rows (0: all)."""
     level: int = 2
     """synthetic_arithmetic difficulty (0-5, see srpo.tasks.math.LEVELS)."""
     seed: int = 0
     """synthetic: generator seed (use another seed for held-out sets)."""
-    split: str = "train"
-    """hub datasets: the split."""
+    split: str | None = None
+    """Synthetic sources: the part of the problem space drawn from — train, test (disjoint from
+    train: about one problem in four, fixed by a hash of the problem) or all (both, as before parts
+    existed); unset: train for task.train, test for held-out sets.  Hub datasets: the split
+    (unset: train).  Files: not used."""
     skip_bad_rows: bool = False
     """Skip (and count) rows without a question or answer instead of failing."""
     fields: dict[str, str] = Field(default_factory=dict)
@@ -596,7 +600,14 @@ def _check_source(path: str, src: DataSource, kind: str) -> None:
             raise ConfigError(f"{path}.source: {src.source} is a {generator.name} source but task.kind is {kind!r}")
         if src.source == "synthetic_arithmetic" and src.level not in range(0, 6):
             raise ConfigError(f"{path}.level: must be 0-5, got {src.level}")
-        _positive(f"{path}.n", src.n)
+        if src.split is not None and src.split not in ("train", "test", "all"):
+            raise ConfigError(f"{path}.split: {src.split!r} is not a part of a synthetic source; valid: train, test, all")
+        if src.source == "synthetic_arithmetic" and src.n == 0:
+            if src.level == 3:
+                raise ConfigError(f"{path}.n: 0 (every problem) is for arithmetic levels 0, 1, 2, 4, 5; "
+                                  f"level 3 holds ~750,000 problems — give n")
+        else:
+            _positive(f"{path}.n", src.n)
     elif src.source.startswith("hub:"):
         pass
     else:

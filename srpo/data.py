@@ -10,6 +10,7 @@ from srpo.tasks.base import DatasetError, Task
 from srpo.tasks.kinds import TASK_KINDS, synthetic_source
 from srpo.tasks.kinds import task_kind as get_kind
 from srpo.tasks.search import BM25Retriever, Passage, load_corpus, synthetic_kb
+from srpo.tasks.splits import resolve_split
 
 
 def epoch_order(num_tasks: int, seed: int, epoch: int) -> list[int]:
@@ -29,24 +30,36 @@ def source_name(src: DataSource) -> str:
     return Path(src.source.removeprefix("hub:")).stem
 
 
+def synthetic_source_for(src: DataSource, *, held_out: bool) -> DataSource:
+    """``src`` with its ``split`` resolved: a synthetic source's own, else ``test`` for a held-out
+    set and ``train`` for the training set (:mod:`srpo.tasks.splits`)."""
+    return src.model_copy(update={"split": resolve_split(src.split, held_out=held_out)})
+
+
+def generate(src: DataSource, *, held_out: bool) -> tuple[list[Task], list[Passage]]:
+    """The tasks and passages of the synthetic source ``src``, from its part of the problem space."""
+    return synthetic_source(src.source).synthetic[src.source](synthetic_source_for(src, held_out=held_out))
+
+
 def _hub_rows(src: DataSource):
     try:
         import datasets
     except ImportError:
         raise DatasetError(f"{src.source}: hub datasets need the 'datasets' package (pip install datasets)") from None
-    ds = datasets.load_dataset(src.source.removeprefix("hub:"), split=src.split)
+    ds = datasets.load_dataset(src.source.removeprefix("hub:"), split=src.split or "train")
     return iter(enumerate(ds, start=1))
 
 
-def load_tasks(src: DataSource, kind: str) -> list[Task]:
+def load_tasks(src: DataSource, kind: str, *, held_out: bool) -> list[Task]:
     """The tasks of one data source for the task kind ``kind`` (a registered name or import
-    path); rows are validated (bad rows fail, or are skipped and counted)."""
+    path); rows are validated (bad rows fail, or are skipped and counted).  ``held_out``: the
+    source is an evaluation set (a synthetic one then draws from its test part by default)."""
     task_kind = get_kind(kind)
     generator = synthetic_source(src.source)
     if generator is not None:
         if generator.name != task_kind.name:
             raise DatasetError(f"{src.source} is a {generator.name} source but task.kind is {task_kind.name!r}")
-        return generator.synthetic[src.source](src)[0]
+        return generate(src, held_out=held_out)[0]
     rows = _hub_rows(src) if src.source.startswith("hub:") else None
     if src.fields:
         from srpo.tasks.base import read_rows
@@ -93,9 +106,9 @@ def build_retriever(cfg: Config):
         return None
     if synthetic_source(cfg.task.corpus) is not None:  # the passages a synthetic source's answers live in
         passages: list[Passage] = []
-        for src in [cfg.task.train, *cfg.task.eval]:
+        for held_out, src in [(False, cfg.task.train), *((True, e) for e in cfg.task.eval)]:
             if src.source == cfg.task.corpus:
-                passages += synthetic_source(src.source).synthetic[src.source](src)[1]
+                passages += generate(src, held_out=held_out)[1]
         if not passages:
             raise DatasetError(f"task.corpus is {cfg.task.corpus} but no data source is {cfg.task.corpus}")
         return BM25Retriever(passages)
@@ -108,19 +121,21 @@ def eval_retriever(src: DataSource) -> BM25Retriever | None:
     if not src.corpus:
         return None
     if synthetic_source(src.corpus) is not None:
-        return BM25Retriever(synthetic_source(src.source).synthetic[src.source](src)[1])
+        return BM25Retriever(generate(src, held_out=True)[1])
     return BM25Retriever(load_corpus(src.corpus))
 
 
 def corpus_passages(spec: str) -> list[Passage]:
-    """A corpus jsonl, or ``synthetic_kb:n=40:seed=0`` (the synthetic KB's passages)."""
+    """A corpus jsonl, or ``synthetic_kb:n=40:seed=0[:split=train]`` (the synthetic KB's passages;
+    split as a data source's, default ``all``)."""
     if spec.startswith("synthetic_kb"):
         params = dict(p.partition("=")[::2] for p in spec.split(":")[1:])
-        unknown = set(params) - {"n", "seed"}
+        unknown = set(params) - {"n", "seed", "split"}
         if unknown:
-            raise DatasetError(f"{spec}: unknown parameter {sorted(unknown)[0]!r}; valid: n, seed")
+            raise DatasetError(f"{spec}: unknown parameter {sorted(unknown)[0]!r}; valid: n, seed, split")
         try:
-            return synthetic_kb(int(params.get("n", 40)), seed=int(params.get("seed", 0)))[0]
-        except ValueError:
-            raise DatasetError(f"{spec}: n and seed must be integers") from None
+            return synthetic_kb(int(params.get("n", 40)), seed=int(params.get("seed", 0)),
+                                split=params.get("split", "all"))[0]
+        except ValueError as err:
+            raise DatasetError(f"{spec}: {err}" if "split" in str(err) else f"{spec}: n and seed must be integers") from None
     return load_corpus(spec)

@@ -26,11 +26,13 @@ DEMO_CONFIG = {
         "roles": {"aggregator": {"template": "{input}\nReply with just the number."}},
     },
     "task": {"kind": "math", "train": {"source": "synthetic_arithmetic", "level": 0, "n": 2000, "seed": 0},
-             "eval": [{"source": "synthetic_arithmetic", "level": 0, "n": 100, "seed": 12345, "name": "held-out"}]},
+             # The whole test part of one-digit addition (24 problems, none of them — nor their
+             # commuted forms — ever trained on; srpo.tasks.splits), each sampled eval.k times.
+             "eval": [{"source": "synthetic_arithmetic", "level": 0, "n": 0, "split": "test", "name": "held-out"}]},
     "method": {"name": "srpo", "set_reduction": "sqrt", "clip_eps": 0.2},
     "train": {"tasks_per_step": 4, "group_size": 4, "lr": 2e-5, "warmup_steps": 2, "old_logprobs": "recompute"},
     "checkpoint": {"every": 0, "keep": 1},
-    "eval": {"k": 2, "temperature": 0.7},
+    "eval": {"k": 8, "temperature": 0.7},
 }
 
 

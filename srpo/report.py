@@ -156,7 +156,7 @@ def plot_study(root: Path, records: list[dict], k: int) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from srpo.study import mean_se
+    from srpo.stats import mean_se
 
     labels = list(dict.fromkeys(r["label"] for r in records))
     datasets = list(dict.fromkeys(d for r in records for d in r["eval"]["datasets"]))

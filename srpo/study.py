@@ -41,7 +41,7 @@ import math
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import yaml
@@ -50,7 +50,10 @@ from pydantic import Field
 
 from srpo.config import (ConfigError, DataSource, Float, Section, apply_overrides, check_eval_corpora, config_from_dict,
                          parse_section, read_yaml)
+from srpo import stats
+from srpo.fileio import write_text_atomic
 from srpo.metrics_log import read_metrics
+from srpo.stats import mean_se
 
 
 class AxisEntry(Section):
@@ -58,6 +61,9 @@ class AxisEntry(Section):
     """The entry's name in the cell label and the results table."""
     set: dict[str, Any] = Field(default_factory=dict)
     """Config overrides (dotted keys, as ``srpo train --set``) this entry applies."""
+    seeds: list[int] | None = None
+    """Run this entry at these of the study's seeds only (None: all) — e.g. a reference cell at 5
+    seeds next to a primary comparison at 20."""
 
 
 class StudyEval(Section):
@@ -67,6 +73,21 @@ class StudyEval(Section):
     """Sampling temperature of the evaluation (None: the cell's workflow.temperature)."""
     datasets: list[DataSource]
     """Held-out sets; file paths relative to the study file."""
+
+
+class PrimaryComparison(Section):
+    """The one comparison a study is run to decide, declared before it runs: judged at 5% on its
+    own (Holm among its cells when it names several), reported with its power whatever it shows."""
+    baseline: str
+    """The cell label compared against (e.g. grpo)."""
+    cells: list[str]
+    """The cell labels compared with it (e.g. [srpo])."""
+    metric: str = ""
+    """avg@k or pass@k (default: avg@k of the study's eval.k)."""
+    dataset: str = "macro"
+    """macro (the mean over eval.datasets) or one dataset's name."""
+    test: Literal["paired t"] = "paired t"
+    """The decision test (the exact sign-flip p is reported beside it)."""
 
 
 class StudySpec(Section):
@@ -93,8 +114,11 @@ class StudySpec(Section):
     keep_checkpoints: bool = True
     """false: delete a cell's checkpoints once it is evaluated (cell.json and the logs stay)."""
     baseline: str = ""
-    """A cell label (e.g. grpo): every other cell's held-out macro avg@k is compared with it seed by
-    seed — paired differences, their mean, standard error and 95% confidence interval."""
+    """A cell label (e.g. grpo): every other cell's held-out avg@k and pass@k are compared with it
+    seed by seed — paired differences, mean, SE, 95% t interval, t and exact sign-flip p, and
+    Holm-adjusted p across all of the study's comparisons (srpo.stats)."""
+    primary: PrimaryComparison | None = None
+    """The pre-registered primary comparison (see PrimaryComparison)."""
 
 
 def load_study(path: str | Path) -> dict:
@@ -115,6 +139,13 @@ def load_study(path: str | Path) -> dict:
     spec["base"] = str((p.parent / typed.base).resolve())
     spec["base_config"] = read_yaml(spec["base"])  # read once: every cell starts from it and records it
     spec["eval_sources"] = [_resolve(src, p.parent) for src in typed.eval.datasets]
+    if typed.primary is not None:
+        labels = {c["label"] for c in cells(spec)}
+        for name in [typed.primary.baseline, *typed.primary.cells]:
+            if name not in labels:
+                raise ConfigError(f"{p}: primary names cell {name!r}, which the axes do not make; cells: "
+                                  f"{', '.join(sorted(labels))}")
+        spec["primary"] = {**typed.primary.model_dump(), "metric": typed.primary.metric or f"avg@{typed.eval.k}"}
     for cell in cells(spec) + references(spec):
         try:
             check_eval_corpora(cell_config(spec, cell, Path(spec["output_dir"]) / "_check"), spec["eval_sources"],
@@ -142,6 +173,8 @@ def cells(spec: dict) -> list[dict]:
     out = []
     for seed in spec["seeds"]:
         for combo in itertools.product(*[entries for _, entries in axes]):
+            if any(e.get("seeds") is not None and seed not in e["seeds"] for e in combo):
+                continue
             label = "-".join(e["label"] for e in combo)
             overrides = dict(spec.get("overrides") or {})
             for e in combo:
@@ -165,6 +198,26 @@ def cell_config(spec: dict, cell: dict, run_dir: Path):
     return config_from_dict(data)
 
 
+def environment(eval_seed: int) -> dict[str, Any]:
+    """What a cell ran with that its recipe does not say: intra-op threads (results differ in the
+    last bits between thread counts), torch and srpo versions, the git commit, the evaluation seed."""
+    import platform
+    import subprocess
+
+    import srpo
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                                cwd=Path(srpo.__file__).parent).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                    text=True, timeout=10, cwd=Path(srpo.__file__).parent).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = None, None
+    return {"threads": torch.get_num_threads(), "torch": torch.__version__,
+            "srpo": getattr(srpo, "__version__", None), "commit": commit, "dirty": dirty, "eval_seed": eval_seed,
+            "python": platform.python_version()}
+
+
 def _release_memory() -> None:
     import ctypes
     import gc
@@ -184,6 +237,36 @@ def _same_recipe(recorded: dict, recipe: dict) -> bool:
     return recorded == recipe
 
 
+def eval_splits(spec: dict) -> list[str | None]:
+    """The part each synthetic evaluation set draws from (None for files): part of a cell's recipe,
+    so a cell evaluated before held-out parts existed (on the whole space) is never reused as if it
+    had been evaluated on the test part."""
+    from srpo.tasks.kinds import synthetic_source
+    from srpo.tasks.splits import resolve_split
+
+    return [resolve_split(src.split, held_out=True) if synthetic_source(src.source) else None
+            for src in spec["eval_sources"]]
+
+
+def read_cell(path: Path) -> dict | None:
+    """A finished cell's record, or None when there is none — or when it cannot be read (a torn
+    write from before records were written atomically): then it is named, set aside as
+    ``cell.json.unreadable`` and the cell is run again."""
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        if not isinstance(record, dict) or "eval" not in record:
+            raise ValueError("not a cell record")
+        return record
+    except (ValueError, UnicodeDecodeError) as err:
+        import warnings
+
+        warnings.warn(f"{path}: unreadable cell record ({err}); the cell is run again", stacklevel=2)
+        path.replace(path.with_name("cell.json.unreadable"))
+        return None
+
+
 def run_cell(spec: dict, cell: dict, root: Path, progress: bool = True, train: bool = True) -> dict:
     """Train (unless ``train`` is False: the untrained reference) and evaluate one cell."""
     from srpo import build
@@ -196,9 +279,9 @@ def run_cell(spec: dict, cell: dict, root: Path, progress: bool = True, train: b
     # silently mix old and new results in one table.  The base config is recorded by content, not
     # path, so that a moved or renamed repository still reuses its finished cells.
     recipe = {"overrides": cell["overrides"], "base_config": spec["base_config"], "eval": spec["eval"],
-              "train": train}
-    if done.is_file():
-        record = json.loads(done.read_text())
+              "train": train, "eval_splits": eval_splits(spec)}
+    record = read_cell(done)
+    if record is not None:
         if not _same_recipe(record.get("recipe", recipe), recipe):
             raise ConfigError(
                 f"{done}: this cell finished under a different recipe or evaluation than the study file now "
@@ -206,6 +289,7 @@ def run_cell(spec: dict, cell: dict, root: Path, progress: bool = True, train: b
         return record
     cfg = cell_config(spec, cell, run_dir)
     started = time.perf_counter()
+    eval_seed = 1000 + cell["seed"]
     ev = spec["eval"]
     datasets = build.eval_sets(cfg, spec["eval_sources"], n=0)  # each source's own n
     if train:
@@ -220,7 +304,7 @@ def run_cell(spec: dict, cell: dict, root: Path, progress: bool = True, train: b
                                   enabled=cfg.model.autocast_bf16)
     with autocast:
         results = evaluate(team.policies, team.workflow, team.role_specs, datasets, k=ev.get("k", 4),
-                           temperature=ev.get("temperature", cfg.workflow.temperature), seed=1000 + cell["seed"],
+                           temperature=ev.get("temperature", cfg.workflow.temperature), seed=eval_seed,
                            progress=progress, workflows=build.eval_workflows(cfg, spec["eval_sources"], team.workflow))
     if trainer is not None:
         trainer.close()
@@ -232,8 +316,9 @@ def run_cell(spec: dict, cell: dict, root: Path, progress: bool = True, train: b
     _release_memory()
     run_dir.mkdir(parents=True, exist_ok=True)
     record = {**cell, "eval": results, "diagnostics": diagnostics(run_dir) if train else {},
-              "minutes": (time.perf_counter() - started) / 60, "recipe": recipe}
-    done.write_text(json.dumps(record, indent=1))
+              "minutes": (time.perf_counter() - started) / 60, "recipe": recipe,
+              "environment": environment(eval_seed)}
+    write_text_atomic(done, json.dumps(record, indent=1))
     if not spec.get("keep_checkpoints", True):
         # Only after cell.json is written: an interrupted cell keeps its checkpoints to resume from.
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
@@ -278,16 +363,6 @@ def diagnostics(run_dir: Path) -> dict[str, Any]:
         "correct_per_million_team_tokens": rows[-1].get("cum/correct_per_million_tokens"),
     }
     return out
-
-
-def mean_se(values):
-    if not values:
-        return float("nan"), float("nan")
-    mean = sum(values) / len(values)
-    if len(values) < 2:
-        return mean, float("nan")
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
-    return mean, sd / math.sqrt(len(values))
 
 
 def summarize(records: list[dict], k: int) -> tuple[str, dict]:
@@ -338,46 +413,53 @@ def summarize(records: list[dict], k: int) -> tuple[str, dict]:
     return "\n".join(lines) + "\n", table
 
 
-def run_study(path: str | Path, progress: bool = True, only: int | None = None) -> Path:
+def run_study(path: str | Path, progress: bool = True, only: int | None = None,
+              shard: tuple[int, int] = (1, 1)) -> Path:
+    """Run every unfinished cell (or the first ``only``), then tabulate.  ``shard=(i, n)``: run only
+    cells i, i+n, i+2n, ... (1-based) — n processes on one study folder share its cells, each writing
+    its own; the results are written from every cell finished on disk, whoever ran it."""
     spec = load_study(path)
     root = Path(spec["output_dir"])
     root.mkdir(parents=True, exist_ok=True)
-    (root / "study.yaml").write_text(Path(path).read_text())
-    records = []
+    write_text_atomic(root / "study.yaml", Path(path).read_text())
+    index, count = shard
     todo = cells(spec)
-    if spec.get("eval_untrained"):
-        # The starting point of every distinct workflow, evaluated once without training.
-        seen = set()
-        for cell in todo:
-            key = json.dumps({k: v for k, v in cell["overrides"].items() if k.startswith("workflow.")}, sort_keys=True)
-            if key in seen:
-                continue
-            seen.add(key)
-            base = {**cell, "label": f"untrained ({cell['label']} workflow)", "seed": spec["seeds"][0]}
-            records.append(run_cell(spec, base, root, progress, train=False))
-    for ref in references(spec):
-        records.append(run_cell(spec, ref, root, progress, train=False))
-    for i, cell in enumerate(todo[:only] if only else todo):
+    if index == 1:  # the untrained starting points: one shard evaluates them
+        if spec.get("eval_untrained"):
+            # The starting point of every distinct workflow, evaluated once without training.
+            seen = set()
+            for cell in todo:
+                key = json.dumps({k: v for k, v in cell["overrides"].items() if k.startswith("workflow.")},
+                                 sort_keys=True)
+                if key in seen:
+                    continue
+                seen.add(key)
+                run_cell(spec, {**cell, "label": f"untrained ({cell['label']} workflow)", "seed": spec["seeds"][0]},
+                         root, progress, train=False)
+        for ref in references(spec):
+            run_cell(spec, ref, root, progress, train=False)
+    selected = todo[:only] if only else todo
+    for i, cell in enumerate(selected):
+        if i % count != index - 1:
+            continue
         if progress:
             print(f"[{i + 1}/{len(todo)}] {cell['label']} seed {cell['seed']}", flush=True)
-        records.append(run_cell(spec, cell, root, progress))
+        run_cell(spec, cell, root, progress)
+        write_results(root, finished_records(spec, root), spec)
+    records = finished_records(spec, root)
+    if records:
         write_results(root, records, spec)
     return root / "results.md"
-
-
-# Two-sided 95% quantiles of Student's t by degrees of freedom (beyond 30: the normal's 1.96).
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-       11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
-       20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048,
-       29: 2.045, 30: 2.042}
 
 
 def paired_differences(records: list[dict], baseline: str, metric: str,
                        dataset: str | None = None) -> dict[str, dict[str, Any]]:
     """Per cell label: the seed-by-seed difference of ``metric`` (of ``eval.macro``, or of one
-    ``dataset``) from the ``baseline`` cell on the seeds both finished — mean, standard error, 95%
-    t interval, and whether that interval excludes 0.  Pairing (the same seed for both) removes the
-    variance the cells share: task order, first rollout, evaluation draws."""
+    ``dataset``) from the ``baseline`` cell on the seeds both finished — mean, SE, 95% t interval,
+    t-test p and exact sign-flip p (:func:`srpo.stats.paired`), *unadjusted*: ``significant`` here
+    means p < 0.05 for this test alone; a study's words come from :func:`comparisons`, which
+    corrects for the number of comparisons.  Pairing (the same seed for both) removes the variance
+    the cells share: task order, first rollout, evaluation draws."""
     def value(r):
         return r["eval"]["datasets"][dataset][metric] if dataset else r["eval"]["macro"][metric]
 
@@ -386,31 +468,89 @@ def paired_differences(records: list[dict], baseline: str, metric: str,
     for label in dict.fromkeys(r["label"] for r in records):
         if label == baseline or label.startswith("untrained"):
             continue
-        diffs = [value(r) - base[r["seed"]] for r in records if r["label"] == label and r["seed"] in base]
-        if not diffs:
+        mine = sorted((r["seed"], value(r)) for r in records if r["label"] == label and r["seed"] in base)
+        if not mine:
             continue
-        mean, se = mean_se(diffs)
-        seeds = sorted(r["seed"] for r in records if r["label"] == label and r["seed"] in base)
-        if len(diffs) < 2:  # one seed: no spread to estimate (None, not NaN: results.json stays valid JSON)
-            out[label] = {"n": 1, "seeds": seeds, "mean": mean, "se": None, "ci95": None, "significant": False}
-            continue
-        half = T95.get(len(diffs) - 1, 1.96) * se
-        out[label] = {"n": len(diffs), "seeds": seeds, "mean": mean, "se": se, "ci95": [mean - half, mean + half],
-                      "significant": bool(mean - half > 0 or mean + half < 0)}
+        test = stats.paired([v - base[seed] for seed, v in mine])
+        out[label] = {**test, "seeds": [seed for seed, _ in mine],
+                      "significant": bool(test["p_t"] is not None and test["p_t"] < stats.ALPHA)}
     return out
 
 
-def paired_table(diffs: dict[str, dict[str, Any]], baseline: str, metric: str, dataset: str | None = None) -> str:
-    lines = [f"Paired differences in held-out {dataset or 'macro'} {metric} against `{baseline}` (same seeds; "
-             f"95% t interval):", "",
-             "| cell | seeds | mean difference | SE | 95% CI | significant at 5% |", "|---|---:|---:|---:|---|---|"]
-    for label, d in diffs.items():
-        if d["ci95"] is None:
-            lines.append(f"| {label} | {d['n']} | {d['mean']:+.3f} | – | – | – (one seed) |")
+def comparisons(records: list[dict], spec: dict) -> list[dict[str, Any]]:
+    """Every paired comparison the study reports — each cell against the baseline (and the primary
+    comparison's baseline), for avg@k and pass@k, on the macro average and on each dataset when
+    there are several — with Holm-adjusted p-values across all of them (:func:`srpo.stats.adjust`).
+    The pre-registered primary comparison (``primary``) is marked and judged on its own: Holm only
+    among the primary cells, when it names several."""
+    k = spec["eval"].get("k", 4)
+    primary = spec.get("primary") or {}
+    datasets = list(dict.fromkeys(d for r in records for d in r["eval"]["datasets"]))
+    scopes = [None] + (datasets if len(datasets) > 1 else [])
+    baselines = [b for b in dict.fromkeys((spec.get("baseline"), primary.get("baseline"))) if b]
+    out: list[dict[str, Any]] = []
+    for baseline in baselines:
+        if not any(r["label"] == baseline for r in records):
             continue
-        lo, hi = d["ci95"]
-        lines.append(f"| {label} | {d['n']} | {d['mean']:+.3f} | {d['se']:.3f} | [{lo:+.3f}, {hi:+.3f}] | "
-                     f"{'yes' if d['significant'] else 'no'} |")
+        for scope in scopes:
+            for metric in (f"avg@{k}", f"pass@{k}"):
+                for label, test in paired_differences(records, baseline, metric, scope).items():
+                    is_primary = bool(primary) and baseline == primary["baseline"] and label in primary["cells"] \
+                        and metric == primary.get("metric", f"avg@{k}") and (scope or "macro") == primary.get("dataset", "macro")
+                    out.append({"cell": label, "baseline": baseline, "metric": metric, "dataset": scope or "macro",
+                                "primary": is_primary, **{k_: v for k_, v in test.items() if k_ != "significant"}})
+    firsts = [c for c in out if c["primary"]]
+    for c, p in zip(firsts, stats.holm([c["p_t"] if c["p_t"] is not None else float("nan") for c in firsts])):
+        c["p_primary"] = p if p == p else None
+        if c["sd"]:
+            c["power"] = {"sd": c["sd"], "n": c["n"],
+                          "power_at": {str(e): stats.power(c["sd"], c["n"], e) for e in (0.05, 0.10)},
+                          "detectable_80": stats.detectable(c["sd"], c["n"]),
+                          "seeds_for_80": {str(e): stats.seeds_needed(c["sd"], e) for e in (0.05, 0.10)}}
+    stats.adjust(out)
+    return out
+
+
+def comparisons_text(comps: list[dict[str, Any]], spec: dict) -> str:
+    """The primary result (with its power), then every comparison with Holm-adjusted p-values."""
+    lines = []
+    primary = [c for c in comps if c["primary"]]
+    if primary:
+        p = spec["primary"]
+        lines += [f"## Primary comparison (pre-registered): {p.get('metric')} on {p.get('dataset', 'macro')}, "
+                  f"{', '.join(p['cells'])} against `{p['baseline']}`", "",
+                  "| cell | seeds | mean difference | 95% t CI | + / − seeds | p (t) | p (exact sign-flip) | verdict |",
+                  "|---|---:|---:|---|---|---:|---:|---|"]
+        for c in primary:
+            ci = f"[{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}]" if c["ci95"] else "–"
+            lines.append(f"| {c['cell']} | {c['n']} | {c['mean']:+.3f} | {ci} | {c.get('positive', '–')} / "
+                         f"{c.get('negative', '–')} | {stats.fmt_p(c.get('p_primary', c['p_t']))} | "
+                         f"{stats.fmt_p(c['p_sign_flip'])} | {c['verdict']} |")
+        for c in primary:
+            pw = c.get("power")
+            if pw:
+                lines += ["", f"Power ({c['cell']}): the paired differences' SD is {pw['sd']:.3f} over {pw['n']} seeds; "
+                          f"a true difference of 0.05 would be found with probability {pw['power_at']['0.05']:.2f}, "
+                          f"0.10 with {pw['power_at']['0.1']:.2f}; the smallest difference found 80% of the time is "
+                          f"{pw['detectable_80']:.3f}; 80% power needs {pw['seeds_for_80']['0.05']} seeds for 0.05 and "
+                          f"{pw['seeds_for_80']['0.1']} for 0.10."]
+        lines.append("")
+    others = [c for c in comps if not c["primary"]]
+    if others:
+        lines += [f"## Paired comparisons ({len(comps)} in this study; p-values Holm-adjusted across all of them)", "",
+                  "| cell | against | metric | dataset | seeds | mean difference | SE | 95% t CI | p (t) | p (t, Holm) | "
+                  "p (sign-flip) | p (sign-flip, Holm) | verdict |",
+                  "|---|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---|"]
+        for c in others:
+            ci = f"[{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}]" if c["ci95"] else "–"
+            se = f"{c['se']:.3f}" if c["se"] is not None else "–"
+            lines.append(f"| {c['cell']} | {c['baseline']} | {c['metric']} | {c['dataset']} | {c['n']} | "
+                         f"{c['mean']:+.3f} | {se} | {ci} | {stats.fmt_p(c['p_t'])} | {stats.fmt_p(c['p_t_holm'])} | "
+                         f"{stats.fmt_p(c['p_sign_flip'])} | {stats.fmt_p(c['p_sign_flip_holm'])} | {c['verdict']} |")
+        n_min = min((c["n"] for c in comps if c["n"]), default=0)
+        if n_min and n_min <= 5:
+            lines += ["", f"With {n_min} seeds no exact sign-flip test can go below p = {2 / 2 ** n_min:.4f}: a "
+                      f"significant t-test at that size rests on the differences being normal."]
     return "\n".join(lines) + "\n"
 
 
@@ -491,21 +631,15 @@ def write_results(root: Path, records: list[dict], spec: dict) -> None:
     k = spec["eval"].get("k", 4)
     text, table = summarize(records, k)
     extra: dict[str, Any] = {}
-    baseline = spec.get("baseline")
-    if baseline and any(r["label"] == baseline for r in records):
-        extra["paired"] = {m: paired_differences(records, baseline, m) for m in (f"avg@{k}", f"pass@{k}")}
-        text += "\n" + paired_table(extra["paired"][f"avg@{k}"], baseline, f"avg@{k}")
-        datasets = list(dict.fromkeys(d for r in records for d in r["eval"]["datasets"]))
-        if len(datasets) > 1:  # the macro average can hide a gain on one set and a loss on another
-            extra["paired_by_dataset"] = {d: {m: paired_differences(records, baseline, m, d)
-                                              for m in (f"avg@{k}", f"pass@{k}")} for d in datasets}
-            for d in datasets:
-                text += "\n" + paired_table(extra["paired_by_dataset"][d][f"avg@{k}"], baseline, f"avg@{k}", d)
+    comps = comparisons(records, spec)
+    if comps:
+        extra["comparisons"] = comps
+        text = comparisons_text(comps, spec) + "\n## Cells\n\n" + text
     extra["mechanism"] = mechanism(root, records)
     extra["first_rollout_reward"] = pairing_check(root, records)
-    (root / "results.md").write_text(f"# Study: {root.name}\n\n{spec.get('description', '')}\n\n{text}")
+    write_text_atomic(root / "results.md", f"# Study: {root.name}\n\n{spec.get('description', '')}\n\n{text}")
     results = _nan_to_none({"table": table, **extra, "cells": records})
-    (root / "results.json").write_text(json.dumps(results, indent=1, default=str, allow_nan=False))
+    write_text_atomic(root / "results.json", json.dumps(results, indent=1, default=str, allow_nan=False))
     from srpo.report import plot_mechanism, plot_study
 
     plot_study(root, records, k)
@@ -513,17 +647,22 @@ def write_results(root: Path, records: list[dict], spec: dict) -> None:
         plot_mechanism(root, extra["mechanism"])
 
 
+def finished_records(spec: dict, root: Path) -> list[dict]:
+    """The records of every finished cell in ``root``: untrained starting points first, then the
+    cells in study order."""
+    records = [r for r in (read_cell(p) for p in sorted(root.glob("untrained */seed*/cell.json"))) if r]
+    for cell in cells(spec):
+        record = read_cell(root / cell["label"] / f"seed{cell['seed']}" / "cell.json")
+        if record is not None:
+            records.append(record)
+    return records
+
+
 def summarize_study(path: str | Path) -> Path:
     """Rewrite results.md/json/png from the cells a study has finished, running nothing."""
     spec = load_study(path)
     root = Path(spec["output_dir"])
-    records = []
-    for cell in cells(spec):
-        done = root / cell["label"] / f"seed{cell['seed']}" / "cell.json"
-        if done.is_file():
-            records.append(json.loads(done.read_text()))
-    untrained = sorted(root.glob("untrained */seed*/cell.json"))
-    records = [json.loads(p.read_text()) for p in untrained] + records
+    records = finished_records(spec, root)
     if not records:
         raise ConfigError(f"{root}: no finished cells to summarize")
     write_results(root, records, spec)
@@ -534,12 +673,21 @@ def add_study_parser(sub) -> None:
     p = sub.add_parser("study", help="methods × workflows × tasks × seeds: train, evaluate, tabulate (resumable)")
     p.add_argument("--config", required=True, help="a study file (see configs/studies/)")
     p.add_argument("--only", type=int, default=None, help="run only the first N cells")
+    p.add_argument("--shard", default="1/1", metavar="I/N",
+                   help="run only cells I, I+N, ... (N processes share one study folder; e.g. two at one thread each)")
     p.add_argument("--summarize", action="store_true",
                    help="only rewrite results.md/json/png from the cells already finished (runs nothing)")
     p.set_defaults(func=_study)
 
 
 def _study(args) -> int:
-    out = summarize_study(args.config) if args.summarize else run_study(args.config, only=args.only)
+    try:
+        index, count = (int(x) for x in args.shard.split("/"))
+        if not 1 <= index <= count:
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f"--shard {args.shard!r}: expected I/N with 1 <= I <= N, e.g. 1/2") from None
+    out = summarize_study(args.config) if args.summarize else run_study(args.config, only=args.only,
+                                                                       shard=(index, count))
     print(f"results: {out}")
     return 0

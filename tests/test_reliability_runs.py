@@ -494,11 +494,11 @@ def test_a_dataset_under_the_wrong_grader_is_refused(tmp_path):
     qa.write_text("".join(json.dumps({"question": f"who {i}?", "answer": name}) + "\n"
                           for i, name in enumerate(["Kauffman Stadium", "The Home Rule League", "five", "Paris", "1974"])))
     with pytest.raises(DatasetError, match="looks like a math dataset, not QA"):
-        load_tasks(DataSource(source=str(gsm), n=0), "qa")
+        load_tasks(DataSource(source=str(gsm), n=0), "qa", held_out=False)
     with pytest.raises(DatasetError, match="looks like a QA dataset, not math.*'Kauffman Stadium'"):
-        load_tasks(DataSource(source=str(qa), n=0), "math")
+        load_tasks(DataSource(source=str(qa), n=0), "math", held_out=False)
     assert guess_kind(DataSource(source=str(gsm))) == "math" and guess_kind(DataSource(source=str(qa))) == "qa"
-    assert len(load_tasks(DataSource(source=str(gsm), n=0), "math")) == 5
+    assert len(load_tasks(DataSource(source=str(gsm), n=0), "math", held_out=False)) == 5
 
 
 @pytest.mark.skipif(not SHARED.is_dir(), reason="needs ../shared/data")
@@ -511,9 +511,9 @@ def test_the_real_datasets_fit_their_own_grader_only():
                        ("musique_dev500", "qa"), ("2wikimultihopqa_dev500", "qa"), ("bamboogle_test", "qa")]:
         src = DataSource(source=str(SHARED / f"{name}.jsonl"), n=0)
         assert guess_kind(src) == kind, name
-        assert load_tasks(src, kind)
+        assert load_tasks(src, kind, held_out=False)
         with pytest.raises(DatasetError):
-            load_tasks(src, "qa" if kind == "math" else "math")
+            load_tasks(src, "qa" if kind == "math" else "math", held_out=False)
 
 
 # --------------------------------------------------------- 12. data paths relative to the config

@@ -70,7 +70,8 @@ def _record(label, seed, avg, method="srpo"):
 
 
 def test_paired_differences_against_the_baseline():
-    from srpo.study import T95, paired_differences
+    from srpo.stats import t_interval
+    from srpo.study import paired_differences
 
     base = [0.50, 0.40, 0.60, 0.55, 0.45]
     gain = [0.10, 0.12, 0.08, 0.11, 0.09]   # a consistent gain: small SE once paired
@@ -85,13 +86,12 @@ def test_paired_differences_against_the_baseline():
     s = out["srpo"]
     sd = torch.tensor(gain, dtype=torch.float64).std().item()
     assert s["n"] == 5 and s["mean"] == pytest.approx(0.10) and s["se"] == pytest.approx(sd / 5 ** 0.5)
-    assert s["ci95"][0] == pytest.approx(0.10 - T95[4] * s["se"]) and s["significant"]
+    assert s["ci95"][0] == pytest.approx(0.10 - 2.7764451 * s["se"]) and s["significant"]
+    assert s["ci95"] == pytest.approx(list(t_interval(gain)))
+    assert s["p_sign_flip"] == pytest.approx(2 / 32)  # all 5 positive: the smallest exact p of 5 seeds
     assert not out["gspo"]["significant"] and out["gspo"]["ci95"][0] < 0 < out["gspo"]["ci95"][1]
     assert out["dr_mas"]["n"] == 1 and not out["dr_mas"]["significant"] and out["dr_mas"]["ci95"] is None
     json.dumps(out, allow_nan=False)  # results.json stays valid JSON (no NaN for the one-seed cell)
-    from srpo.study import paired_table
-
-    assert "| dr_mas | 1 | +0.400 | – | – | – (one seed) |" in paired_table(out, "grpo", "avg@2")
 
 
 def test_paired_differences_per_dataset_see_what_the_macro_average_hides():

@@ -266,3 +266,88 @@ def test_real_hotpotqa_search_task_and_bm25_recall():
     any_hit = sum(any(p.title in t.meta["supporting_titles"] for p in r) for t, r in zip(tasks, results)) / 500
     # Measured 0.948 (≥1 supporting paragraph in the top 5); SOURCES.md's own BM25 check saw 0.942.
     assert any_hit > 0.9
+
+
+# ------------------------------------------------------------------ held-out parts (srpo.tasks.splits)
+
+import pytest as _pytest  # noqa: E402
+
+from srpo.tasks.math import LEVELS, synthetic_arithmetic  # noqa: E402
+from srpo.tasks.search import synthetic_kb  # noqa: E402
+from srpo.tasks.splits import part_of  # noqa: E402
+
+
+def _operands_key(question: str) -> str:
+    """The problem with the operands of + and × sorted: a commuted problem is the same problem."""
+    import re
+
+    nums = re.findall(r"\d+", question)
+    if "(" in question:
+        a, b, c = nums
+        return f"({min(int(a), int(b))}+{max(int(a), int(b))})*{c}"
+    if "-" in question:
+        return "-".join(nums)
+    op = "*" if "*" in question else "+"
+    return op.join(map(str, sorted(map(int, nums))))
+
+
+@_pytest.mark.parametrize("level", sorted(LEVELS))
+def test_arithmetic_train_and_test_parts_are_disjoint(level):
+    """Every level: no problem (nor its commuted form) of the test part is drawn for training,
+    whatever the seeds; each part is non-empty; ``all`` draws from both (as before parts)."""
+    train = {_operands_key(t.question) for seed in (0, 1) for t in synthetic_arithmetic(3000, level=level, seed=seed,
+                                                                                        split="train")}
+    test = {_operands_key(t.question) for seed in (777, 999, 12345)
+            for t in synthetic_arithmetic(1000, level=level, seed=seed, split="test")}
+    assert train and test and not train & test
+    assert {part_of(k) for k in train} == {"train"} and {part_of(k) for k in test} == {"test"}
+    both = {_operands_key(t.question) for t in synthetic_arithmetic(3000, level=level, seed=0, split="all")}
+    assert both & train and both & test
+
+
+@_pytest.mark.parametrize("level", [0, 1, 2, 4, 5])
+def test_whole_part_enumerated_and_partition_complete(level):
+    """n=0: every problem of the part once; train and test together are the whole space."""
+    train, test = (synthetic_arithmetic(0, level=level, split=s) for s in ("train", "test"))
+    everything = synthetic_arithmetic(0, level=level, split="all")
+    assert len({t.question for t in test}) == len(test) and len(train) + len(test) == len(everything)
+    assert {t.question for t in train} | {t.question for t in test} == {t.question for t in everything}
+    if level == 0:
+        assert (len(train), len(test)) == (57, 24)  # the demo's held-out set: all 24 test problems
+
+
+def test_level_3_cannot_be_enumerated():
+    with _pytest.raises(ValueError, match="level 3"):
+        synthetic_arithmetic(0, level=3, split="test")
+
+
+def test_split_all_keeps_the_old_draws():
+    """`split: all` is the generator as it was before parts (old study records stay reproducible)."""
+    old = ["What is 3 + 3?", "What is 9 + 6?", "What is 7 + 3?", "What is 7 + 7?"]  # recorded before parts
+    assert [t.question for t in synthetic_arithmetic(4, level=0, seed=999, split="all")] == old
+
+
+def test_kb_test_people_never_in_a_train_kb():
+    """A test KB's questions are about people whose family names no train KB can hold."""
+    train_people = {t.meta["person"].split()[1] for seed in (0, 1, 2) for t in synthetic_kb(300, seed=seed,
+                                                                                            split="train")[1]}
+    test_people = {t.meta["person"].split()[1] for seed in (777, 999) for t in synthetic_kb(60, seed=seed,
+                                                                                           split="test")[1]}
+    assert train_people and test_people and not train_people & test_people
+    train_q = {t.question for t in synthetic_kb(300, seed=0, split="train")[1]}
+    assert not train_q & {t.question for t in synthetic_kb(60, seed=777, split="test")[1]}
+
+
+def test_held_out_sources_draw_from_the_test_part(tmp_path):
+    """Configs: task.train takes the train part, task.eval the test part, unless split says."""
+    from srpo import build
+    from srpo.config import config_from_dict
+
+    cfg = config_from_dict({"run": {"output_dir": str(tmp_path)}, "task": {
+        "train": {"source": "synthetic_arithmetic", "level": 0, "n": 500},
+        "eval": [{"source": "synthetic_arithmetic", "level": 0, "n": 200, "seed": 777, "name": "a"},
+                 {"source": "synthetic_arithmetic", "level": 0, "n": 0, "split": "train", "name": "b"}]}})
+    train = {_operands_key(t.question) for t in build.train_tasks(cfg)}
+    sets = build.eval_sets(cfg, n=0)
+    held = {_operands_key(t.question) for t in sets["a"]}
+    assert not train & held and {_operands_key(t.question) for t in sets["b"]} == train

@@ -34,7 +34,9 @@ class TaskKind:
     rewards: training rewards by name besides ``exact`` (``task.reward``), each ``(task, text) -> float``.
     eval_metrics: extra per-episode metrics evaluation averages and reports (QA: ``f1``).
     synthetic: synthetic source name → ``(DataSource) -> (tasks, passages)`` (passages: a corpus
-        the tasks' answers live in, or an empty list).
+        the tasks' answers live in, or an empty list).  The source's ``split`` arrives resolved
+        (``train``, ``test`` or ``all``; :mod:`srpo.tasks.splits`): a generator draws only from
+        that part of its problem space, so training and held-out sets never share a problem.
     recognizes: ``rows -> bool`` from the first rows of a file: whether they look like this kind
         (``srpo eval`` picks the grader with it when no ``--kind`` is given).
     check_fits: ``(tasks, source) -> None`` raising :class:`DatasetError` when a dataset's gold
@@ -162,10 +164,10 @@ def _build_builtin_kinds() -> None:
     from srpo.tasks.search import answer_text, extract_tagged_answer, grade_qa, load_qa, synthetic_kb, token_f1
 
     def arith(src):
-        return synthetic_arithmetic(src.n, level=src.level, seed=src.seed, prefix="arith"), []
+        return synthetic_arithmetic(src.n, level=src.level, seed=src.seed, prefix="arith", split=src.split or "all"), []
 
     def kb(src):
-        passages, tasks = synthetic_kb(src.n, seed=src.seed)
+        passages, tasks = synthetic_kb(src.n, seed=src.seed, split=src.split or "all")
         return tasks, passages
 
     def f1(task: Task, text: str) -> float:

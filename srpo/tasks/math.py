@@ -9,6 +9,7 @@ before parsing: an answer longer than ``MAX_ANSWER_CHARS`` or nested deeper than
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import re
@@ -16,6 +17,7 @@ from fractions import Fraction
 from pathlib import Path
 
 from srpo.tasks.base import Task, load_jsonl_rows, require_text
+from srpo.tasks.splits import SPLITS, in_split
 
 log = logging.getLogger(__name__)
 
@@ -186,34 +188,73 @@ LEVELS = {
 }
 
 
-def synthetic_arithmetic(n: int, *, level: int = 2, seed: int = 0, prefix: str = "arith") -> list[Task]:
-    """``n`` arithmetic problems of a difficulty ``level`` (see :data:`LEVELS`), reproducible by seed."""
+#: Levels whose whole problem space ``n: 0`` may ask for (level 3 holds ~750,000 problems).
+MAX_ENUMERATED = 100_000
+
+
+def _problem(level: int, a: int, b: int, c: int = 0, minus: bool = False) -> tuple[str, str, int]:
+    """``(canonical key, question, answer)`` of one problem of ``level`` with operands ``a, b, c``.
+    The key sorts the operands of ``+`` and ``×`` so that ``3 + 4`` and ``4 + 3`` share a part."""
+    if level in (0, 1, 2):
+        return f"{min(a, b)}+{max(a, b)}", f"What is {a} + {b}?", a + b
+    if level == 3:
+        if minus:
+            return f"{a}-{b}", f"What is {a} - {b}?", a - b
+        return "+".join(map(str, sorted((a, b, c)))), f"What is {a} + {b} + {c}?", a + b + c
+    if level == 4:
+        return f"{a}*{b}", f"What is {a} * {b}?", a * b
+    return f"({min(a, b)}+{max(a, b)})*{c}", f"What is ({a} + {b}) * {c}?", (a + b) * c
+
+
+def _draw(rng: random.Random, level: int) -> tuple[str, str, int]:
+    """One problem of ``level`` drawn from ``rng`` (the draws every seed has always made)."""
+    if level == 0:
+        return _problem(0, rng.randint(1, 9), rng.randint(1, 9))
+    if level == 1:
+        return _problem(1, rng.randint(1, 9), rng.randint(10, 99))
+    if level == 2:
+        return _problem(2, rng.randint(10, 99), rng.randint(10, 99))
+    if level == 3:
+        a, b, c = (rng.randint(10, 99) for _ in range(3))
+        if rng.random() < 0.5:
+            return _problem(3, a, b, c)
+        return _problem(3, max(a, b), min(a, b), minus=True)
+    if level == 4:
+        return _problem(4, rng.randint(2, 9), rng.randint(10, 99))
+    return _problem(5, rng.randint(2, 20), rng.randint(2, 20), rng.randint(2, 9))
+
+
+def _space(level: int):
+    """Every problem of ``level`` (not level 3: too many), in a fixed order."""
+    ranges = {0: ((1, 9), (1, 9)), 1: ((1, 9), (10, 99)), 2: ((10, 99), (10, 99)), 4: ((2, 9), (10, 99)),
+              5: ((2, 20), (2, 20), (2, 9))}
+    if level not in ranges:
+        raise ValueError(f"n: 0 (every problem) is for arithmetic levels with at most {MAX_ENUMERATED:,} "
+                         f"problems ({', '.join(map(str, sorted(ranges)))}); level {level} has more — give n")
+    spans = [range(lo, hi + 1) for lo, hi in ranges[level]]
+    for operands in itertools.product(*spans):
+        yield _problem(level, *operands)
+
+
+def synthetic_arithmetic(n: int, *, level: int = 2, seed: int = 0, prefix: str = "arith",
+                         split: str = "all") -> list[Task]:
+    """``n`` arithmetic problems of a difficulty ``level`` (see :data:`LEVELS`), reproducible by seed,
+    drawn from the ``split`` part of the level's problems (:mod:`srpo.tasks.splits`; ``all``: the
+    whole space, the draws this generator made before parts existed).  ``n == 0``: every problem of
+    the part once, in a fixed order (the seed does not matter) — a test set evaluated in full."""
     if level not in LEVELS:
         raise ValueError(f"unknown arithmetic level {level}; valid: {sorted(LEVELS)}")
-    rng = random.Random(f"{prefix}-{level}-{seed}")
-    tasks = []
-    for i in range(n):
-        if level == 0:
-            a, b = rng.randint(1, 9), rng.randint(1, 9)
-            q, ans = f"What is {a} + {b}?", a + b
-        elif level == 1:
-            a, b = rng.randint(1, 9), rng.randint(10, 99)
-            q, ans = f"What is {a} + {b}?", a + b
-        elif level == 2:
-            a, b = rng.randint(10, 99), rng.randint(10, 99)
-            q, ans = f"What is {a} + {b}?", a + b
-        elif level == 3:
-            a, b, c = (rng.randint(10, 99) for _ in range(3))
-            if rng.random() < 0.5:
-                q, ans = f"What is {a} + {b} + {c}?", a + b + c
-            else:
-                a, b = max(a, b), min(a, b)
-                q, ans = f"What is {a} - {b}?", a - b
-        elif level == 4:
-            a, b = rng.randint(2, 9), rng.randint(10, 99)
-            q, ans = f"What is {a} * {b}?", a * b
-        else:
-            a, b, c = rng.randint(2, 20), rng.randint(2, 20), rng.randint(2, 9)
-            q, ans = f"What is ({a} + {b}) * {c}?", (a + b) * c
-        tasks.append(Task(f"{prefix}-L{level}-s{seed}-{i}", q, (str(ans),), "math", f"{prefix}-L{level}"))
-    return tasks
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
+    tag = "" if split == "all" else f"-{split}"
+    if n == 0:
+        problems = [p for p in _space(level) if in_split(p[0], split)]
+    else:
+        rng = random.Random(f"{prefix}-{level}-{seed}")
+        problems = []
+        while len(problems) < n:
+            problem = _draw(rng, level)
+            if in_split(problem[0], split):  # rejection keeps each part's draws uniform over it
+                problems.append(problem)
+    return [Task(f"{prefix}-L{level}{tag}-s{seed}-{i}", q, (str(ans),), "math", f"{prefix}-L{level}")
+            for i, (_, q, ans) in enumerate(problems)]

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Protocol, Sequence
 
 from srpo.tasks.base import Task, load_jsonl_rows, read_jsonl, require_text
+from srpo.tasks.splits import in_split
 
 
 @dataclass(frozen=True)
@@ -175,24 +176,26 @@ def _name(rng: random.Random, parts: int) -> str:
     return "".join(rng.choice(_SYLLABLES) for _ in range(parts)).capitalize()
 
 
-def synthetic_kb(n_people: int = 40, *, seed: int = 0, n_cities: int | None = None):
+def synthetic_kb(n_people: int = 40, *, seed: int = 0, n_cities: int | None = None, split: str = "all"):
     """A fictional knowledge base → ``(passages, tasks)``.
 
     People have a birthplace and an occupation; cities have a country and a founding year.
     Questions are one-hop ("In which city was X born?", "What is X's occupation?") or two-hop
     ("In which country was X born?" needs X → city → country); every answer lives only in the
-    corpus.  Deterministic for a seed.
+    corpus.  Deterministic for a seed.  ``split`` (:mod:`srpo.tasks.splits`): people's family names
+    come only from that part of the name space, so a ``test`` KB never asks about a person a
+    ``train`` KB holds, whatever the seeds; ``all`` draws as before parts existed.
     """
     rng = random.Random(f"kb-{seed}")
     n_cities = n_cities or min(200, max(4, n_people // 4))
     used: set[str] = set()
 
-    def fresh(parts):
+    def fresh(parts, part="all"):
         # Names are unique across the KB; the space is finite (24^parts), so give up loudly
         # rather than loop forever when a KB asks for more names than it holds.
         for _ in range(10_000):
             name = _name(rng, parts)
-            if name not in used:
+            if name not in used and in_split(f"kb-family:{name}", part):
                 used.add(name)
                 return name
         raise ValueError(f"synthetic_kb: ran out of {parts}-syllable names (n_people={n_people}, "
@@ -210,7 +213,7 @@ def synthetic_kb(n_people: int = 40, *, seed: int = 0, n_cities: int | None = No
         given = _name(rng, 2)
         while given in cities:
             given = _name(rng, 2)
-        person = f"{given} {fresh(3)}"
+        person = f"{given} {fresh(3, split)}"
         city, job = rng.choice(city_names), rng.choice(_OCCUPATIONS)
         article = "an" if job[0] in "aeiou" else "a"
         passages.append(Passage(f"person-{i}", person, f"{person} is {article} {job} who was born in {city}."))
@@ -221,6 +224,6 @@ def synthetic_kb(n_people: int = 40, *, seed: int = 0, n_cities: int | None = No
             q, a, hops = f"What is the occupation of {person}?", job, 1
         else:
             q, a, hops = f"In which country was {person} born?", cities[city][0], 2
-        tasks.append(Task(f"kb-s{seed}-{i}", q, (a,), "qa", "synthetic-kb", {"hops": hops, "person": person}))
+        tasks.append(Task(f"kb{'' if split == 'all' else '-' + split}-s{seed}-{i}", q, (a,), "qa", "synthetic-kb", {"hops": hops, "person": person}))
     rng.shuffle(passages)
     return passages, tasks
