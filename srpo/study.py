@@ -121,7 +121,7 @@ class StudySpec(Section):
     """The pre-registered primary comparison (see PrimaryComparison)."""
 
 
-def load_study(path: str | Path) -> dict:
+def load_study(path: str | Path, check_cells: bool = True) -> dict:
     """The study file, typed and validated like a run config — and every cell's config validated
     too (before anything trains), so a typo in any axis entry fails at once, naming the entry."""
     p = Path(path)
@@ -146,7 +146,7 @@ def load_study(path: str | Path) -> dict:
                 raise ConfigError(f"{p}: primary names cell {name!r}, which the axes do not make; cells: "
                                   f"{', '.join(sorted(labels))}")
         spec["primary"] = {**typed.primary.model_dump(), "metric": typed.primary.metric or f"avg@{typed.eval.k}"}
-    for cell in cells(spec) + references(spec):
+    for cell in (cells(spec) + references(spec)) if check_cells else ():
         try:
             check_eval_corpora(cell_config(spec, cell, Path(spec["output_dir"]) / "_check"), spec["eval_sources"],
                                "eval.datasets")
@@ -669,18 +669,43 @@ def summarize_study(path: str | Path) -> Path:
     return root / "results.md"
 
 
+def restate_results(path: str | Path, results: str | Path) -> str:
+    """Recompute the comparisons of an existing ``results.json`` (its ``cells``) with today's
+    statistics, for the study file ``path``, and rewrite it as strict JSON; returns the comparison
+    tables as markdown.  For results whose cell folders are gone (the shipped ``docs/results_*.json``);
+    the mechanism and the cells' records are kept as they are."""
+    spec = load_study(path, check_cells=False)  # nothing runs: a warm start's folder may be gone
+    data = json.loads(Path(results).read_text())  # Python's reader takes the NaN of older files
+    records = data["cells"]
+    comps = comparisons(records, spec)
+    for stale in ("paired", "paired_by_dataset"):
+        data.pop(stale, None)
+    data["comparisons"] = comps
+    if all(c.get("environment") is None for c in records):
+        data["evaluated_on"] = ("synthetic evaluation sets drawn from the whole problem space (before "
+                                "srpo.tasks.splits): the training distribution, not a held-out test part")
+    write_text_atomic(results, json.dumps(_nan_to_none(data), indent=1, default=str, allow_nan=False))
+    return comparisons_text(comps, spec)
+
+
 def add_study_parser(sub) -> None:
     p = sub.add_parser("study", help="methods × workflows × tasks × seeds: train, evaluate, tabulate (resumable)")
     p.add_argument("--config", required=True, help="a study file (see configs/studies/)")
     p.add_argument("--only", type=int, default=None, help="run only the first N cells")
     p.add_argument("--shard", default="1/1", metavar="I/N",
                    help="run only cells I, I+N, ... (N processes share one study folder; e.g. two at one thread each)")
+    p.add_argument("--restate", metavar="RESULTS_JSON", default=None,
+                   help="recompute the comparisons of an existing results.json (its cells) with today's statistics, "
+                        "rewrite it as strict JSON and print the tables (runs nothing)")
     p.add_argument("--summarize", action="store_true",
                    help="only rewrite results.md/json/png from the cells already finished (runs nothing)")
     p.set_defaults(func=_study)
 
 
 def _study(args) -> int:
+    if args.restate:
+        print(restate_results(args.config, args.restate))
+        return 0
     try:
         index, count = (int(x) for x in args.shard.split("/"))
         if not 1 <= index <= count:

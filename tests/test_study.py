@@ -160,3 +160,33 @@ def test_mechanism_reads_by_k_metrics_per_seed(tmp_path):
     assert mech["3"]["weight_per_transition"]["mean"] == pytest.approx(0.75 / (2 / 6))
     assert mech["1"]["weight_per_transition"]["mean"] == pytest.approx(0.25 / (4 / 6))
     assert mech["3"]["by_step"]["clip_frac"] == {1: pytest.approx(0.2), 2: pytest.approx(0.2)}
+
+
+def test_shipped_results_files_are_strict_json():
+    """Every docs/results_*.json parses without NaN/Infinity (jq and browsers refuse those)."""
+    from pathlib import Path
+
+    files = sorted((Path(__file__).resolve().parents[1] / "docs").glob("results_*.json"))
+    assert len(files) >= 9
+    for f in files:
+        data = json.loads(f.read_text(), parse_constant=lambda c: pytest.fail(f"{f.name} holds {c}"))
+        assert "paired" not in data, f"{f.name}: unadjusted tables; restate it (srpo study --restate)"
+
+
+def test_seed_planning_script_runs_reduced_on_cpu(tmp_path):
+    """scripts/plan_seeds.py (the GPU seed-planning run) in a reduced form: it trains every cell,
+    evaluates the test part and reports each method's paired SD against GRPO."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "plan_seeds.py"
+    spec = importlib.util.spec_from_file_location("plan_seeds", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--device", "cpu", "--model", "tiny-llama", "--steps", "1", "--seeds", "2", "--tasks", "2",
+                        "--episodes", "2", "--max-new-tokens", "4", "--out", str(tmp_path / "plan")]) == 0
+    report = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert {r["cell"] for r in report["comparisons"]} == {"srpo", "srpo_sum"}
+    assert all(r["seeds"] == 2 and r["sd_paired"] >= 0 for r in report["comparisons"])
+    cells = list((tmp_path / "plan").glob("*/seed*/cell.json"))
+    assert len(cells) == 6 and all(json.loads(c.read_text())["environment"]["eval_seed"] >= 1000 for c in cells)
