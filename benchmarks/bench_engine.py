@@ -26,7 +26,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from srpo.policies import SamplingParams, build_policies
-    from srpo.policies.vllm_engine import EngineSettings
+    from srpo.rollout.vllm import EngineSettings, VLLMRollout
     from srpo.tasks.math import synthetic_arithmetic
     from srpo.tasks.rewards import task_reward
     from srpo.workflows import Runtime, build_workflow
@@ -37,18 +37,19 @@ def main() -> None:
     specs = {r: replace(s, sampling=SamplingParams(temperature=1.0, max_new_tokens=64))
              for r, s in wf.default_role_specs().items()}
     hf = build_policies("shared", "smollm2-135m", wf.roles())
-    engine = build_policies("shared", "smollm2-135m", wf.roles())
+    engine_policies = build_policies("shared", "smollm2-135m", wf.roles())
     t0 = time.perf_counter()
-    engine.start_engine("smollm2-135m", dtype="bfloat16", seed=0,
-                        settings=EngineSettings(gpu_memory_utilization=0.1, max_model_len=1024))
+    engine = VLLMRollout(engine_policies, "smollm2-135m", dtype="bfloat16", seed=0,
+                         settings=EngineSettings(gpu_memory_utilization=0.1, max_model_len=1024))
     start_s = time.perf_counter() - t0
     rates: dict[str, list[float]] = {"srpo decoder (bf16 autocast)": [], "vLLM engine (bf16)": []}
-    warm = Runtime(engine, specs, task_reward, generator=torch.Generator().manual_seed(0))
+    warm = Runtime(engine_policies, specs, task_reward, generator=torch.Generator().manual_seed(0), engine=engine)
     warm.run(wf, jobs[:4])  # the engine's first call compiles/warms its kernels
     try:
         for _ in range(args.rounds):
-            for name, policies in (("srpo decoder (bf16 autocast)", hf), ("vLLM engine (bf16)", engine)):
-                rt = Runtime(policies, specs, task_reward, generator=torch.Generator().manual_seed(0))
+            for name, policies, sampler in (("srpo decoder (bf16 autocast)", hf, None),
+                                            ("vLLM engine (bf16)", engine_policies, engine)):
+                rt = Runtime(policies, specs, task_reward, generator=torch.Generator().manual_seed(0), engine=sampler)
                 t = time.perf_counter()
                 with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=policies is hf):
                     episodes = rt.run(wf, jobs)
@@ -57,7 +58,7 @@ def main() -> None:
                 rates[name].append(tokens / dt)
                 print(f"{name}: {tokens} tokens in {dt:.1f} s = {tokens / dt:.1f} tokens/s", flush=True)
     finally:
-        engine.close_engines()
+        engine.close()
     print(f"\ntorch threads {args.threads}; vLLM engine start {start_s:.0f} s\n")
     print("| sampler | median tokens/s |\n|---|---:|")
     for name, r in rates.items():

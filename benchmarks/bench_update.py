@@ -50,7 +50,7 @@ def child(mode: str, threads: int) -> dict:
     from srpo.policies.logprobs import completion_logprobs
 
     if mode.endswith("+ckpt"):  # as the trainer does with train.activation_checkpointing on a CPU
-        from srpo.policies.checkpointing import return_freed_blocks_to_the_os
+        from srpo.policies.activation_checkpointing import return_freed_blocks_to_the_os
 
         return_freed_blocks_to_the_os()
     model, _ = load_model("smollm2-135m")

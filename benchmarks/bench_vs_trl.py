@@ -32,8 +32,8 @@ def run_ours(steps: int, threads: int, skip_zero_advantage: bool = True) -> dict
     import torch
 
     torch.set_num_threads(threads)
-    from srpo.config import config_from_dict
-    from srpo.trainer import Trainer
+    from srpo.build import config_from_dict
+    from srpo.train import Trainer
 
     out = tempfile.mkdtemp()
     cfg = config_from_dict({
@@ -76,7 +76,7 @@ def run_trl(steps: int, threads: int) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from srpo.data import epoch_order
-    from srpo.policies.registry import converted_checkpoint
+    from srpo.policies.models import converted_checkpoint
     from srpo.tasks.math import grade_math, synthetic_arithmetic
 
     path = str(converted_checkpoint("smollm2-135m"))

@@ -32,19 +32,19 @@ def check_engine() -> str:
 
     from srpo.policies.layouts import GenerationRequest, build_policies
     from srpo.policies.sampling import SamplingParams
-    from srpo.policies.vllm_engine import EngineSettings
+    from srpo.rollout.vllm import EngineSettings, VLLMRollout
 
     policies = build_policies("shared", "smollm2-135m", ["a"])
     policies.model.to("cuda")
-    policies.start_engine("smollm2-135m", dtype="float32", seed=0,
-                          settings=EngineSettings(gpu_memory_utilization=0.3, max_model_len=1024))
+    engine = VLLMRollout(policies, "smollm2-135m", dtype="float32", seed=0,
+                         settings=EngineSettings(gpu_memory_utilization=0.3, max_model_len=1024))
     try:
         tok = policies.tokenizer
         requests = [GenerationRequest("a", tok(p)["input_ids"], SamplingParams(temperature=1.0, max_new_tokens=32))
                     for p in ["What is 2 + 3?", "Name a colour:", "Count to five:", "The capital of France is"]]
 
         def gap() -> float:
-            samples = policies.generate(requests, torch.Generator().manual_seed(0))
+            samples = engine.generate(requests, torch.Generator().manual_seed(0))
             worst = 0.0
             for r, s in zip(requests, samples):
                 ids = torch.tensor([r.prompt_ids + s.completion_ids], device="cuda")
@@ -58,12 +58,12 @@ def check_engine() -> str:
         with torch.no_grad():
             for p in policies.parameters("a"):
                 p.mul_(1.01)
-        policies.sync_engine()
+        engine.update_weights()
         after = gap()
         ok = before < TOL and after < TOL
         return f"{'ok' if ok else 'FAILED'}: max |Δ log p| {before:.2e} before, {after:.2e} after a weight sync (tol {TOL})"
     finally:
-        policies.close_engines()
+        engine.close()
 
 
 def srpo_train(run: Path, overrides: list[str], nproc: int = 0) -> subprocess.CompletedProcess:

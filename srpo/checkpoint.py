@@ -120,18 +120,19 @@ def new_temporary(run_dir: Path, step: int) -> Path:
 
 
 def save_checkpoint(run_dir: Path, step: int, policies, tensor_state: dict[str, Any], json_state: dict[str, Any],
-                    config: dict, keep: int = 2, tmp: Path | None = None) -> Path:
+                    config: dict, keep: int = 2, tmp: Path | None = None, state_dicts: dict | None = None) -> Path:
     """Write ``checkpoints/step_XXXXXXX`` atomically and point ``checkpoints/latest`` at it.
 
     ``tmp``: a folder from :func:`new_temporary` that already holds part of the checkpoint (the
-    sharded state every FSDP rank wrote); by default a new one.  Raises :class:`CheckpointError`
+    sharded state every FSDP rank wrote); by default a new one.  ``state_dicts``: the policies' full
+    weights gathered by a sharded backend (None: the models hold them).  Raises :class:`CheckpointError`
     (the previous checkpoint intact) when it cannot be written, e.g. on a full disk."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step:07d}"
     try:
         if tmp is None:
             tmp = new_temporary(run_dir, step)
-        policies.save_pretrained(tmp / "model")
+        policies.save_pretrained(tmp / "model", state_dicts=state_dicts)
         torch.save(tensor_state, tmp / STATE_FILE)
         (tmp / STATE_JSON).write_text(json.dumps(json_state))
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=1, default=str))

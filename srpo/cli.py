@@ -1,4 +1,15 @@
-"""The ``srpo`` command: train, eval, demo, report, models.  No training logic lives here."""
+"""The ``srpo`` command.  No training logic lives here.
+
+    srpo train     train a workflow from a YAML config (``--resume``, ``--overwrite``; under torchrun too)
+    srpo sft       supervised warm start of every role (transcripts from a file or a scripted player)
+    srpo eval      avg@k / pass@k of a model, a checkpoint or a warm start in a workflow
+    srpo demo      SRPO on the embedded SmolLM2-135M: evaluate, train, evaluate, report
+    srpo study     methods × workflows × seeds grids with paired, corrected comparisons (resumable)
+    srpo report    plots and a summary page for a run folder
+    srpo models    list, prepare or verify the embedded models
+    srpo retriever serve BM25 retrieval over HTTP (the Search-R1 retrieval API)
+    srpo config    show every config field with its type, default and documentation
+"""
 
 from __future__ import annotations
 
@@ -12,8 +23,8 @@ from pathlib import Path
 
 
 def _train(args) -> int:
-    from srpo.config import load_config
-    from srpo.trainer import Trainer, TrainingStopped
+    from srpo.build import load_config
+    from srpo.train import Trainer, TrainingStopped
 
     if args.resume and args.overwrite:
         raise UsageError("--resume continues the folder's run and --overwrite deletes it: choose one")
@@ -32,8 +43,8 @@ def _train(args) -> int:
     finally:
         trainer.close()
     # Only after a normal end: the barrier in close() would wait forever for a rank that failed.
-    trainer.dist.close()
-    if trainer.dist.rank == 0 and code == 0:
+    trainer.backend.close()
+    if trainer.backend.rank == 0 and code == 0:
         print(f"done: {trainer.step} steps; metrics in {Path(cfg.run.output_dir) / 'metrics.jsonl'}")
     return code
 
@@ -120,7 +131,8 @@ def _eval(args) -> int:
     import torch
 
     from srpo import build
-    from srpo.config import apply_overrides, config_from_dict
+    from srpo.build import config_from_dict
+    from srpo.config import apply_overrides
     from srpo.data import guess_kind
     from srpo.evaluation import evaluate, markdown_table, write_results
     from srpo.workflows.builtins import WORKFLOWS
@@ -184,7 +196,7 @@ def _eval(args) -> int:
 
 
 def _sft(args) -> int:
-    from srpo.config import load_config
+    from srpo.build import load_config
     from srpo.sft import check_sft_config, run_sft
 
     cfg = load_config(args.config, args.set)
@@ -218,7 +230,7 @@ def _report(args) -> int:
 
 
 def _models(args) -> int:
-    from srpo.policies import registry
+    from srpo.policies import models as registry
 
     if args.action == "list":
         for name in registry.registered_names():
@@ -272,11 +284,41 @@ def _retriever(args) -> int:
     return 0
 
 
+def _config(args) -> int:
+    """``srpo config show``: every field, its type and default (and its value in ``--config``)."""
+    from srpo.build import load_config
+    from srpo.config import describe_fields
+
+    values = None
+    if args.config:
+        values = load_config(args.config, args.set).model_dump()
+    for key, type_name, default, doc in describe_fields():
+        line = f"{key}: {type_name} = {json.dumps(default, default=str)}"
+        if values is not None and "[]" not in key and "<name>" not in key:
+            value = values
+            for part in key.split("."):
+                value = value[part]
+            if value != default:
+                line += f"   (this config: {json.dumps(value, default=str)})"
+        print(line)
+        if doc:
+            print(f"    {doc}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="srpo", description="Setwise Relative Policy Optimization for multi-agent LLMs")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_run_commands(sub)
+    _add_tool_commands(sub)
+    from srpo.study import add_study_parser
 
+    add_study_parser(sub)
+    return parser
+
+
+def _add_run_commands(sub) -> None:
     p = sub.add_parser("train", help="train a workflow from a YAML config")
     p.add_argument("--config", required=True, help="YAML config (see configs/)")
     p.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
@@ -322,6 +364,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None)
     p.set_defaults(func=_demo)
 
+
+def _add_tool_commands(sub) -> None:
+    p = sub.add_parser("config", help="every config field with its type, default and documentation")
+    p.add_argument("action", choices=["show"])
+    p.add_argument("--config", default=None, help="also show this config's values where they differ from the defaults")
+    p.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE", help="overrides, as for train")
+    p.set_defaults(func=_config)
+
     p = sub.add_parser("report", help="plots and a summary page for a run folder")
     p.add_argument("run_dir")
     p.set_defaults(func=_report)
@@ -339,11 +389,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=_number(int, 1, "a port number"), default=8000)
     p.add_argument("--topk", type=_number(int, 1, "an integer ≥ 1"), default=3, help="passages per query when a request names none")
     p.set_defaults(func=_retriever)
-
-    from srpo.study import add_study_parser
-
-    add_study_parser(sub)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

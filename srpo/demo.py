@@ -14,7 +14,8 @@ from pathlib import Path
 
 import copy
 
-from srpo.config import apply_overrides, config_from_dict
+from srpo.build import config_from_dict
+from srpo.config import apply_overrides
 
 DEMO_CONFIG = {
     "run": {"output_dir": "runs/demo", "seed": 0, "steps": 25, "threads": 0},
@@ -43,7 +44,7 @@ def run_demo(output_dir: str | None = None, steps: int | None = None, overrides:
     from srpo import build
     from srpo.evaluation import evaluate, write_results
     from srpo.report import write_summary
-    from srpo.trainer import Trainer
+    from srpo.train import Trainer
 
     data = copy.deepcopy(DEMO_CONFIG)
     apply_overrides(data, {**({"run.output_dir": output_dir} if output_dir else {}),

@@ -26,15 +26,16 @@ from srpo.workflows.runtime import Runtime
 
 def evaluate(policies, workflow, role_specs, datasets: dict[str, list[Task]], *, k: int = 4,
              temperature: float | None = None, seed: int = 1234, max_batch: int = 256,
-             progress: bool = False, workflows: dict[str, Any] | None = None) -> dict[str, Any]:
+             progress: bool = False, workflows: dict[str, Any] | None = None, engine=None) -> dict[str, Any]:
     """Run ``k`` episodes per task of every dataset; return per-dataset and macro metrics.
 
     ``workflows`` (by dataset name) replaces ``workflow`` for the datasets it names — a held-out
-    set searched in its own corpus (:func:`srpo.build.eval_workflows`)."""
+    set searched in its own corpus (:func:`srpo.build.eval_workflows`).  ``engine``: the rollout
+    engine that samples (default: srpo's own sampler on ``policies``)."""
     if temperature is not None:  # the eval temperature replaces every role's training one
         role_specs = {r: replace(s, sampling=replace(s.sampling, temperature=temperature)) for r, s in role_specs.items()}
     runtime = Runtime(policies, role_specs, task_reward, generator=torch.Generator().manual_seed(seed),
-                      max_batch=max_batch)
+                      max_batch=max_batch, engine=engine)
     results: dict[str, Any] = {"k": k, "datasets": {}}
     bar = None
     if progress:

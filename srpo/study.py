@@ -48,9 +48,8 @@ import yaml
 
 from pydantic import Field
 
-from srpo.config import (ConfigError, DataSource, Float, Section, apply_overrides, check_eval_corpora, config_from_dict,
-                         parse_section, read_yaml)
-from srpo import stats
+from srpo.config import ConfigError, DataSource, Float, Section, apply_overrides, parse_section, read_yaml
+from srpo import build, stats
 from srpo.fileio import write_text_atomic
 from srpo.metrics_log import read_metrics
 from srpo.stats import mean_se
@@ -148,7 +147,7 @@ def load_study(path: str | Path, check_cells: bool = True) -> dict:
         spec["primary"] = {**typed.primary.model_dump(), "metric": typed.primary.metric or f"avg@{typed.eval.k}"}
     for cell in (cells(spec) + references(spec)) if check_cells else ():
         try:
-            check_eval_corpora(cell_config(spec, cell, Path(spec["output_dir"]) / "_check"), spec["eval_sources"],
+            build.check_eval_corpora(cell_config(spec, cell, Path(spec["output_dir"]) / "_check"), spec["eval_sources"],
                                "eval.datasets")
         except ConfigError as err:
             raise ConfigError(f"{p}: cell {cell['label']} (seed {cell['seed']}): {err}") from None
@@ -195,7 +194,7 @@ def references(spec: dict) -> list[dict]:
 def cell_config(spec: dict, cell: dict, run_dir: Path):
     data = apply_overrides(copy.deepcopy(spec["base_config"]), {**cell["overrides"], "run.output_dir": str(run_dir)})
     data.setdefault("task", {})["eval"] = []
-    return config_from_dict(data)
+    return build.config_from_dict(data)
 
 
 def environment(eval_seed: int) -> dict[str, Any]:
@@ -269,9 +268,8 @@ def read_cell(path: Path) -> dict | None:
 
 def run_cell(spec: dict, cell: dict, root: Path, progress: bool = True, train: bool = True) -> dict:
     """Train (unless ``train`` is False: the untrained reference) and evaluate one cell."""
-    from srpo import build
     from srpo.evaluation import evaluate
-    from srpo.trainer import Trainer
+    from srpo.train import Trainer
 
     run_dir = root / cell["label"] / f"seed{cell['seed']}"
     done = run_dir / "cell.json"
@@ -300,12 +298,12 @@ def run_cell(spec: dict, cell: dict, root: Path, progress: bool = True, train: b
         team, autocast = build.Team(trainer.workflow, trainer.role_specs, trainer.policies), trainer.autocast()
     else:  # the untrained reference: the team's starting point, no run folder
         trainer, team = None, build.team(cfg)
-        autocast = torch.autocast("cuda" if cfg.run.device.startswith("cuda") else "cpu", dtype=torch.bfloat16,
-                                  enabled=cfg.model.autocast_bf16)
+        autocast = build.autocast(cfg)
     with autocast:
         results = evaluate(team.policies, team.workflow, team.role_specs, datasets, k=ev.get("k", 4),
                            temperature=ev.get("temperature", cfg.workflow.temperature), seed=eval_seed,
-                           progress=progress, workflows=build.eval_workflows(cfg, spec["eval_sources"], team.workflow))
+                           progress=progress, workflows=build.eval_workflows(cfg, spec["eval_sources"], team.workflow),
+                           engine=trainer.engine if trainer is not None else None)
     if trainer is not None:
         trainer.close()
     # A long study runs many cells in one process: drop this cell's model and optimizer now (the

@@ -13,10 +13,11 @@ import sys
 
 import torch
 
-from srpo.config import load_config
+from srpo.build import load_config
 from srpo.events import shard_events, validate_events
 from srpo.methods import assign_advantages
-from srpo.trainer import Distributed, Trainer
+from srpo.parallel import DataParallel
+from srpo.train import Trainer
 
 
 def varied_reward(task, answer):
@@ -35,8 +36,8 @@ def main(out_path: str, run_dir: str) -> None:
         "workflow.options={num_workers: 3}", "workflow.max_new_tokens=8", "train.tasks_per_step=3",
         "train.group_size=3", "train.optimizer=sgd", "train.lr=0.5", "train.epochs=2", "train.microbatches=2",
         "task.train.n=6", "log.tensorboard=false"])
-    dist = Distributed()
-    trainer = Trainer(cfg, dist=dist, progress=False, reward_fn=varied_reward)
+    dist = DataParallel()
+    trainer = Trainer(cfg, backend=dist, progress=False, reward_fn=varied_reward)
     # The same global batch on every rank: fixed tasks, a fixed sampling seed.
     trainer.rollout_generator.manual_seed(1234)
     tasks = trainer.train_tasks[:3]

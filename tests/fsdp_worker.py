@@ -12,10 +12,10 @@ import sys
 
 import torch
 
-from srpo.config import load_config
+from srpo.build import load_config
 from srpo.events import shard_events, validate_events
 from srpo.methods import assign_advantages
-from srpo.trainer import Distributed, Trainer
+from srpo.train import Trainer
 
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -35,9 +35,8 @@ def start() -> None:
 
 
 def full_weights(trainer) -> dict:
-    if trainer.policies.fsdp:
-        trainer.policies.gather_full_weights()
-        return dict(trainer.policies._full_weights["shared"])
+    if trainer.backend.sharded_optimizer_state:
+        return dict(trainer.backend.full_state_dicts(trainer.policies)["shared"])
     return {k: v.detach().clone() for k, v in trainer.policies.model_for("shared").state_dict().items()}
 
 
@@ -49,7 +48,7 @@ def update(out_path: str, run_dir: str, parallel: str) -> None:
         "train.group_size=3", "train.optimizer=sgd", "train.lr=0.5", "train.epochs=2", "train.microbatches=2",
         "task.train.n=6", "log.tensorboard=false", f"train.parallel={parallel}"])
     trainer = Trainer(cfg, progress=False, reward_fn=varied_reward)
-    dist = trainer.dist
+    dist = trainer.backend
     trainer.rollout_generator.manual_seed(1234)  # the same global batch on every rank
     episodes = trainer.rollout(trainer.train_tasks[:3])
     events, _ = validate_events([e for ep in episodes for e in ep.events])
@@ -70,12 +69,12 @@ def resume(out_path: str, run_dir: str) -> None:
     trainer = Trainer(load_config(CONFIG, resume_overrides(run_dir)), progress=False, reward_fn=varied_reward)
     assert trainer.resume()
     weights = full_weights(trainer)
-    optim = get_optimizer_state_dict(trainer.policies.fsdp_root("shared"), trainer.optimizers["shared"],
+    optim = get_optimizer_state_dict(trainer.backend.roots["shared"], trainer.optimizers["shared"],
                                      options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if trainer.dist.rank == 0:
+    if trainer.backend.rank == 0:
         torch.save({"step": trainer.step, "weights": weights, "optim": optim["state"]}, out_path)
     trainer.close()
-    trainer.dist.close()
+    trainer.backend.close()
 
 
 def resume_overrides(run_dir: str, steps: int = 2) -> list[str]:

@@ -108,7 +108,8 @@ def test_every_tracker_logs_offline_and_the_metric_reads_back(tmp_path, monkeypa
 
 
 def test_an_unknown_or_missing_tracker_fails_before_any_model(monkeypatch):
-    from srpo.config import ConfigError, load_config
+    from srpo.build import load_config
+    from srpo.config import ConfigError
     import srpo.trackers as trackers
 
     with pytest.raises(ConfigError, match="log.backends: 'comet' is not valid; valid: tensorboard, wandb, mlflow, trackio"):
@@ -275,7 +276,8 @@ def test_an_unreachable_or_slow_server_costs_the_tool_call_not_the_run():
 
 
 def test_a_run_config_names_a_server_instead_of_a_corpus():
-    from srpo.config import ConfigError, load_config
+    from srpo.build import load_config
+    from srpo.config import ConfigError
     from srpo.data import build_retriever
     from srpo.tasks.retrieval_service import HTTPRetriever
 

@@ -8,7 +8,8 @@ import pytest
 import yaml
 
 from srpo import build
-from srpo.config import ConfigError, config_from_dict, load_config
+from srpo.build import config_from_dict, load_config
+from srpo.config import ConfigError
 from srpo.evaluation import evaluate
 from srpo.policies.scripted import ScriptedPolicies
 from srpo.tasks.search import synthetic_kb
@@ -66,7 +67,7 @@ def test_synthetic_kb_as_a_sets_corpus_is_that_sets_own_kb():
                          {"source": "synthetic_kb", "n": 12, "seed": 6, "name": "kb6", "corpus": "synthetic_kb"}])
     workflows = build.eval_workflows(cfg, None, build.workflow(cfg, build.retriever(cfg)))
     for name, seed in (("kb5", 5), ("kb6", 6)):
-        own = {p.text for p in synthetic_kb(12, seed=seed)[0]}
+        own = {p.text for p in synthetic_kb(12, seed=seed, split="test")[0]}  # held-out sets: the test part
         assert {p.text for p in workflows[name].retriever.passages} == own
 
 

@@ -3,6 +3,7 @@ the registries, the configuration layer and metrics that declare their reduction
 
 import glob
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -10,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from srpo.config import ConfigError, load_config
-from srpo.trainer import Trainer
+from srpo.build import load_config
+from srpo.config import ConfigError
+from srpo.train import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -410,9 +412,9 @@ def test_lora_dropout_acts_in_the_update_forward_only(tmp_path):
         episodes = trainer.rollout(trainer.next_tasks())
         events = assign_advantages(validate_events([e for ep in episodes for e in ep.events])[0], "srpo")
         batch = collate(events, trainer.policies.tokenizer.pad_token_id)
-        grad = [trainer._batch_logprobs(batch, grad=True).detach() for _ in range(2)]
-        nograd = [trainer._batch_logprobs(batch, grad=False) for _ in range(2)]
-        single_step = trainer.on_policy_single_step
+        grad = [trainer.updater.logprobs(batch, grad=True).detach() for _ in range(2)]
+        nograd = [trainer.updater.logprobs(batch, grad=False) for _ in range(2)]
+        single_step = trainer.updater.on_policy_single_step
         trainer.close()
         return grad, nograd, single_step
 
@@ -422,3 +424,68 @@ def test_lora_dropout_acts_in_the_update_forward_only(tmp_path):
     assert not single_step  # the update's forward is not q_old, so it is not reused as q_old
     grad, _, single_step = forwards(0.0)
     assert torch.equal(grad[0], grad[1]) and single_step
+
+
+def test_config_show_lists_every_field_with_type_default_and_doc(capsys):
+    """`srpo config show`: one entry per schema field (every one documented), bounds shown; with
+    --config, the file's values next to the defaults."""
+    from srpo.cli import main
+    from srpo.config import Config, describe_fields
+
+    fields = list(describe_fields())
+    assert len(fields) > 100 and all(doc for _, _, _, doc in fields)
+    assert main(["config", "show"]) == 0
+    out = capsys.readouterr().out
+    assert "method.clip_eps_high: float | None (≥ 0) = null" in out
+    assert "train.lr: float (> 0) = 1e-05" in out and 'train.parallel: one of ddp, fsdp = "ddp"' in out
+    config = os.path.join(os.path.dirname(__file__), "..", "configs", "math", "parallel_aggregate", "srpo.yaml")
+    assert main(["config", "show", "--config", config]) == 0
+    assert '(this config: "parallel_aggregate")' in capsys.readouterr().out
+    assert {key for key, *_ in fields} >= {f"train.{name}" for name in Config.model_fields["train"].annotation.model_fields}
+
+
+def test_schema_choices_match_the_objective():
+    """The config's Literal choices and srpo.objective's own lists are the same values."""
+    import typing
+
+    from srpo import config
+    from srpo.objective import ADVANTAGE_SCALES, MEMBER_REDUCTIONS, SET_REDUCTIONS
+
+    assert set(typing.get_args(config.SetReduction)) == set(SET_REDUCTIONS)
+    assert set(typing.get_args(config.MemberReduction)) == set(MEMBER_REDUCTIONS)
+    assert set(typing.get_args(config.AdvantageScale)) == set(ADVANTAGE_SCALES)
+
+
+def test_config_is_a_leaf_and_there_are_no_import_circles():
+    """srpo/config.py imports nothing of srpo; the package's import graph has no cycle."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "srpo"
+    tree = ast.parse((root / "config.py").read_text())
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("srpo")]
+    modules = {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in root.rglob("*.py")}
+    deps: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("srpo"):
+                targets = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+                deps[name] |= {t for t in targets if t in modules and t != name}
+    # A package's __init__ re-exporting its own modules is not a cycle between modules.
+    for name in deps:
+        deps[name] = {d for d in deps[name] if not (name.startswith(d + ".") or d.startswith(name + "."))}
+    state: dict[str, int] = {}
+
+    def visit(node, path):
+        state[node] = 1
+        for nxt in deps[node]:
+            if state.get(nxt) == 1:
+                raise AssertionError(f"import circle: {' -> '.join(path + [node, nxt])}")
+            if nxt not in state:
+                visit(nxt, path + [node])
+        state[node] = 2
+
+    for name in sorted(deps):
+        if name not in state:
+            visit(name, [])

@@ -16,7 +16,7 @@ from srpo.policies import (
     build_policies,
     load_model,
 )
-from srpo.policies import registry
+from srpo.policies import models as registry
 from srpo.policies.logprobs import completion_logprobs, completion_logprobs_plain
 from srpo.policies.sampling import sample
 

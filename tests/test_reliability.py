@@ -15,14 +15,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from srpo import checkpoint as ckpt
-from srpo.config import load_config
+from srpo.build import load_config
 from srpo.policies.scripted import ScriptedPolicies
 from srpo.tasks import DatasetError
 from srpo.tasks.math import answers_equivalent, extract_answer, grade_math, last_boxed
 from srpo.tasks.rewards import task_reward
 from srpo.tasks.search import BM25Retriever, extract_tagged_answer, normalize_answer, synthetic_kb, token_f1
 from srpo.tasks.math import synthetic_arithmetic
-from srpo.trainer import Trainer, TrainingStopped
+from srpo.train import Trainer, TrainingStopped
 from srpo.workflows import Runtime, build_workflow
 from srpo.workflows.parsing import parse_decision, parse_router_choice, parse_search_step, search_call_context
 
@@ -194,7 +194,7 @@ def test_router_cannot_choose_more_workers_than_exist():
 # ---------------------------------------------------------------------------------- numerics
 
 def test_nan_loss_skips_the_step_then_stops_with_a_checkpoint(tmp_path, monkeypatch):
-    import srpo.trainer as trainer_module
+    import srpo.train.update as trainer_module
 
     real = trainer_module.policy_loss
 
@@ -216,7 +216,7 @@ def test_nan_loss_skips_the_step_then_stops_with_a_checkpoint(tmp_path, monkeypa
 
 
 def test_one_nan_step_is_skipped_and_training_continues(tmp_path, monkeypatch):
-    import srpo.trainer as trainer_module
+    import srpo.train.update as trainer_module
 
     real = trainer_module.policy_loss
     calls = {"n": 0}

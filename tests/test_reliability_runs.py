@@ -87,10 +87,11 @@ import torch  # noqa: E402
 
 from srpo import checkpoint as ckpt  # noqa: E402
 from srpo.cli import main  # noqa: E402
-from srpo.config import ConfigError, load_config  # noqa: E402
+from srpo.build import load_config  # noqa: E402
+from srpo.config import ConfigError  # noqa: E402
 from srpo.metrics_log import read_metrics  # noqa: E402
 from srpo.run_dir import RunDirError, RunLock  # noqa: E402
-from srpo.trainer import Trainer, TrainingStopped  # noqa: E402
+from srpo.train import Trainer, TrainingStopped  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "data"
 

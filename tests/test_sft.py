@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from srpo.config import ConfigError, load_config
+from srpo.build import load_config
+from srpo.config import ConfigError
 from srpo.tasks.base import DatasetError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,7 +23,7 @@ def sft_overrides(tmp_path, *extra):
 
 def test_scripted_search_team_transcripts_train_and_warm_start_rl(tmp_path, monkeypatch):
     from srpo.sft import run_sft
-    from srpo.trainer import Trainer
+    from srpo.train import Trainer
 
     cfg = load_config(SEARCH_TEAM, sft_overrides(tmp_path, "sft.script=srpo.tasks.scripts:search_team",
                                                  "sft.episodes=12", "sft.epochs=4", "sft.lr=0.003", "sft.batch_size=8"))

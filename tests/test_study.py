@@ -42,9 +42,9 @@ def test_study_runs_tabulates_and_resumes(tmp_path, monkeypatch):
     png = tmp_path / "out" / "results.png"  # accuracy bars + training-reward curves
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     # Running it again re-uses every finished cell (no training: the trainer must not be built).
-    import srpo.trainer
+    import srpo.train
 
-    monkeypatch.setattr(srpo.trainer, "Trainer", None)
+    monkeypatch.setattr(srpo.train, "Trainer", None)
     run_study(study, progress=False)
     assert json.loads((tmp_path / "out" / "results.json").read_text())["table"] == data["table"]
     # The study and its base config moved elsewhere (a renamed checkout): the cells are reused.

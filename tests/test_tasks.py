@@ -341,7 +341,7 @@ def test_kb_test_people_never_in_a_train_kb():
 def test_held_out_sources_draw_from_the_test_part(tmp_path):
     """Configs: task.train takes the train part, task.eval the test part, unless split says."""
     from srpo import build
-    from srpo.config import config_from_dict
+    from srpo.build import config_from_dict
 
     cfg = config_from_dict({"run": {"output_dir": str(tmp_path)}, "task": {
         "train": {"source": "synthetic_arithmetic", "level": 0, "n": 500},

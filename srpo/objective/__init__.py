@@ -6,6 +6,11 @@ metrics)`` out, metrics detached.  The loss reads back to the host only where it
 diagnostics (``torch.unique(...).tolist()``, one sync per loss call).  Other trainers
 (verl, TRL, a hand-written loop) can import this sub-package alone.
 
+Collectives: none in the losses or advantages.  The only place this sub-package talks to other
+ranks is :meth:`srpo.objective.metrics.MetricAccumulator.all_reduce` (``torch.distributed``
+all-reduces of the accumulated parts, when a process group is initialised) — every rank calls it
+at the same point, once per step, and a caller that never calls it stays single-process.
+
 Public API
 ----------
 - :func:`policy_loss` — one entry point for every registered loss (``srpo``, ``grpo``, ``gspo``).

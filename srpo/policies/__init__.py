@@ -1,6 +1,6 @@
 """Language models behind the roles: loading, layouts, sampling and teacher-forced log-probs."""
 
-from srpo.policies.registry import DEFAULT_MODEL, ModelLoadError, load_model, registered_names
+from srpo.policies.models import DEFAULT_MODEL, ModelLoadError, load_model, registered_names
 
 __all__ = ["DEFAULT_MODEL", "ModelLoadError", "load_model", "registered_names"]
 

@@ -20,10 +20,7 @@ mode for the update's gradient forward only, where the dropout acts.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import shutil
-import tempfile
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +28,7 @@ from pathlib import Path
 import torch
 
 from srpo.policies.logprobs import completion_logprobs
-from srpo.policies.registry import load_model
+from srpo.policies.models import load_model
 from srpo.policies.sampling import Sample, SamplingParams, sample
 
 LAYOUTS = ("shared", "lora", "separate")
@@ -61,10 +58,12 @@ class PolicySet:
         self.tokenizer = tokenizer
         self.role_to_policy = dict(role_to_policy)
         self.versions = {pid: 0 for pid in self.policy_ids}
-        self._fsdp_roots: dict = {}  # policy id → FSDP root unit (train.parallel: fsdp)
-        self._gathered_depth = 0
-        self._full_weights: dict = {}  # policy id → full state dict on rank 0, while checkpointing
-        self.engines: dict = {}  # policy id (or "base" for lora) → VLLMEngine (rollout.engine: vllm)
+        #: policy id → a module wrapping that policy's model whose ``forward`` is the log-prob pass,
+        #: set by a parallel backend (FSDP's root unit, through which its collectives run); empty:
+        #: the models are called directly.
+        self.logprob_modules: dict[str, torch.nn.Module] = {}
+        #: Called before every sampling call, when set (FSDP: sampling only on gathered weights).
+        self.sampling_check = None
 
     @property
     def policy_ids(self) -> list[str]:
@@ -93,130 +92,31 @@ class PolicySet:
     def generate(self, requests: list[GenerationRequest], generator: torch.Generator | None = None) -> list[Sample]:
         raise NotImplementedError
 
-    def save_pretrained(self, folder: str | Path) -> None:
+    def save_pretrained(self, folder: str | Path, state_dicts: dict | None = None) -> None:
+        """Every policy's weights in HF format under ``folder``; ``state_dicts`` (policy id → full
+        state dict) replaces the models' own tensors — a sharded backend's gathered weights."""
         raise NotImplementedError
 
     def modules(self) -> list[torch.nn.Module]:
         raise NotImplementedError
 
-    # -- FSDP (train.parallel: fsdp; full-model layouts) ------------------------------------------
-    @property
-    def fsdp(self) -> bool:
-        return bool(self._fsdp_roots)
-
-    def shard_fsdp(self) -> None:
-        """Shard every policy's model with FSDP2 (see :mod:`srpo.policies.fsdp`); before optimizers exist."""
-        if self.layout not in ("shared", "separate"):
-            raise ValueError(f"FSDP shards full models (layouts shared, separate), not the {self.layout} layout")
-        from srpo.policies import fsdp
-
-        self._fsdp_roots = {pid: fsdp.shard(self.model_for(pid)) for pid in self.policy_ids}
-        with torch.no_grad():  # FSDP sets itself up on the root's first forward, which must come first
-            for pid in self.policy_ids:
-                self.idle_forward(pid)
-
-    def fsdp_root(self, policy_id: str):
-        return self._fsdp_roots[policy_id]
-
-    @contextlib.contextmanager
-    def gathered(self):
-        """Full parameters for sampling (a collective: every rank enters it the same number of
-        times — once per rollout); a no-op without FSDP, and when already inside."""
-        if not self.fsdp or self._gathered_depth:
-            yield
-            return
-        from srpo.policies import fsdp
-
-        self._gathered_depth += 1
-        try:
-            with fsdp.gathered(list(self._fsdp_roots.values())):
-                yield
-        finally:
-            self._gathered_depth -= 1
-
-    def _require_gathered(self) -> None:
-        if self.fsdp and not self._gathered_depth:
-            raise RuntimeError("FSDP-sharded policies sample only inside policies.gathered() (entered by every "
-                               "rank alike, e.g. once per rollout)")
-
-    def idle_forward(self, policy_id: str) -> torch.Tensor:
-        """A one-token pass through ``policy_id``'s FSDP root, for a rank with nothing of its own to
-        forward: FSDP's all-gathers and reduce-scatters are collectives that every rank must join.
-        Returns 0 with a graph, to be added to the loss."""
-        device = next(iter(self._fsdp_roots[policy_id].parameters())).device
-        ids = torch.full((1, 2), int(self.tokenizer.pad_token_id or 0), dtype=torch.long, device=device)
-        out = self._fsdp_roots[policy_id](ids, torch.ones_like(ids), 1, action_mask=torch.zeros(1, 1, device=device))
-        return out.sum() * 0.0
-
-    def gather_full_weights(self) -> None:
-        """Collect every policy's full weights on rank 0 for :meth:`save_pretrained` (a collective)."""
-        from srpo.policies import fsdp
-
-        self._full_weights = {pid: fsdp.full_state_dict(root) for pid, root in self._fsdp_roots.items()}
-
-    def _save_model(self, model, pid: str, folder: Path) -> None:
-        if self.fsdp:
-            model.save_pretrained(folder, state_dict=self._full_weights[pid])
+    # -- hooks a parallel backend sets (srpo.parallel) ------------------------------------------
+    def _save_model(self, model, pid: str, folder: Path, state_dicts) -> None:
+        if state_dicts is not None:  # e.g. FSDP: the full weights were gathered for this save
+            model.save_pretrained(folder, state_dict=state_dicts[pid])
         else:
             model.save_pretrained(folder)
 
-    def _load_model(self, model, pid: str, folder: Path) -> None:
-        if self.fsdp:
-            from safetensors.torch import load_file
+    def _load_model(self, model, folder: Path) -> None:
+        if self.logprob_modules:
+            raise RuntimeError("load weights before a parallel backend wraps the policies (srpo.build does)")
+        _load_full_model(model, Path(folder))
 
-            from srpo.policies import fsdp
+    def _check_sampling(self) -> None:
+        if self.sampling_check is not None:
+            self.sampling_check()
 
-            files = sorted(Path(folder).glob("*.safetensors"))
-            state = {k: v for f in files for k, v in load_file(str(f)).items()}
-            fsdp.set_full_state_dict(self._fsdp_roots[pid], state)
-        else:
-            _load_full_model(model, Path(folder))
-
-    # -- a vLLM rollout engine (rollout.engine: vllm) --------------------------------------------
-    def start_engine(self, model_name: str, *, dtype: str, seed: int, settings) -> None:
-        """Start vLLM engine(s) on the current weights; sampling then goes through them."""
-        from srpo.policies.vllm_engine import VLLMEngine
-
-        staging = Path(tempfile.mkdtemp(prefix="srpo-engine-src-"))
-        try:
-            if self.layout == "lora":
-                base = _base_model_folder(model_name, staging / "base", seed)
-                self.engines = {"base": VLLMEngine(base, dtype=dtype, seed=seed, settings=settings, enable_lora=True)}
-            else:
-                self.engines = {}
-                for pid in self.policy_ids:
-                    folder = staging / pid
-                    _save_for_engine(self.model_for(pid), self.tokenizer, folder)
-                    self.engines[pid] = VLLMEngine(folder, dtype=dtype, seed=seed, settings=settings)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        self.sync_engine()
-
-    def sync_engine(self) -> None:
-        """Push the current weights (or adapters) into the engine(s); call after optimizer steps."""
-        if not self.engines:
-            return
-        if self.layout == "lora":
-            engine = self.engines["base"]
-            for pid in self.policy_ids:
-                engine.sync_adapter(pid, lambda folder, pid=pid: self._save_adapter(pid, folder))
-        else:
-            for pid, engine in self.engines.items():
-                engine.sync(_unique_tensors(self.model_for(pid).state_dict()))
-
-    def _save_adapter(self, policy_id: str, folder: Path) -> None:
-        """One policy's LoRA adapter alone in ``folder`` (PEFT puts a non-default one in a sub-folder)."""
-        self.model.save_pretrained(folder, selected_adapters=[policy_id])
-        _flatten_adapter_folder(folder, policy_id)
-
-    def _engine_generate(self, requests, generator) -> list[Sample]:
-        if self.layout == "lora":
-            return self.engines["base"].generate([r.prompt_ids for r in requests], [r.params for r in requests],
-                                                 generator, adapters=[self.policy_of(r.role) for r in requests])
-        return self._per_policy(requests, lambda pid, reqs: self.engines[pid].generate(
-            [r.prompt_ids for r in reqs], [r.params for r in reqs], generator))
-
-    def _per_policy(self, requests, sample) -> list[Sample]:
+    def per_policy(self, requests, sample) -> list[Sample]:
         """Samples for ``requests`` in order, drawn by ``sample(policy_id, its_requests)`` one policy at a time."""
         by_policy: dict[str, list[int]] = defaultdict(list)
         for i, r in enumerate(requests):
@@ -228,18 +128,13 @@ class PolicySet:
                 out[i] = got
         return out  # type: ignore[return-value]
 
-    def close_engines(self) -> None:
-        for engine in self.engines.values():
-            engine.close()
-        self.engines = {}
-
     # -- shared behaviour -----------------------------------------------------------------------
     def logprobs(self, policy_id: str, input_ids, attention_mask, prompt_length, *, action_mask=None,
                  temperature=1.0, chunk_tokens: int = 1024, return_entropy: bool = False,
                  checkpoint_layers: bool = False):
         """(m, T) teacher-forced log-probs of completion tokens under ``policy_id`` (with grad)."""
-        if self.fsdp:  # through the root unit, so FSDP gathers parameters and reduces gradients
-            return self._fsdp_roots[policy_id](input_ids, attention_mask, prompt_length, action_mask=action_mask,
+        if self.logprob_modules:  # through the backend's wrapper (FSDP gathers, reduces gradients)
+            return self.logprob_modules[policy_id](input_ids, attention_mask, prompt_length, action_mask=action_mask,
                                                temperature=temperature, chunk_tokens=chunk_tokens,
                                                return_entropy=return_entropy, checkpoint_layers=checkpoint_layers)
         return completion_logprobs(
@@ -311,45 +206,6 @@ def _load_full_model(model, folder: Path) -> None:
                          f"unexpected {result.unexpected_keys[:3]}")
 
 
-def _unique_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop second names of one tensor (tied embeddings): safetensors refuses shared storage, and
-    the engine ties them itself."""
-    seen, out = set(), {}
-    for name, tensor in state.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-        if key not in seen:
-            seen.add(key)
-            out[name] = tensor
-    return out
-
-
-def _save_for_engine(model, tokenizer, folder: Path) -> None:
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-
-
-def _base_model_folder(model_name: str, folder: Path, seed: int) -> Path:
-    """A folder holding the (frozen) base model for a LoRA engine."""
-    from srpo.policies.registry import GGUF_MODELS, TINY_MODELS, converted_checkpoint
-
-    if model_name in GGUF_MODELS:
-        return converted_checkpoint(model_name)
-    if model_name in TINY_MODELS:
-        base, tok = load_model(model_name, seed=seed)
-        _save_for_engine(base, tok, folder)
-        return folder
-    return Path(model_name) if Path(model_name).is_dir() else model_name  # a hub id: vLLM fetches it
-
-
-def _flatten_adapter_folder(folder: Path, pid: str) -> None:
-    """PEFT writes a non-default adapter into ``folder/<pid>/``; vLLM wants it at ``folder``."""
-    sub = Path(folder) / pid
-    if sub.is_dir():
-        for f in sub.iterdir():
-            shutil.move(str(f), str(Path(folder) / f.name))
-        sub.rmdir()
-
-
 def _sample_grouped(model, tokenizer, requests, generator, adapter_of=None) -> list[Sample]:
     return sample(
         model, tokenizer, [r.prompt_ids for r in requests], [r.params for r in requests], generator=generator,
@@ -374,17 +230,15 @@ class SharedPolicies(PolicySet):
         return [self.model]
 
     def generate(self, requests, generator=None):
-        if self.engines:
-            return self._engine_generate(requests, generator)
-        self._require_gathered()
+        self._check_sampling()
         return _sample_grouped(self.model, self.tokenizer, requests, generator)
 
-    def save_pretrained(self, folder):
-        self._save_model(self.model, "shared", Path(folder) / "shared")
+    def save_pretrained(self, folder, state_dicts=None):
+        self._save_model(self.model, "shared", Path(folder) / "shared", state_dicts)
         self.tokenizer.save_pretrained(Path(folder) / "shared")
 
     def load_pretrained_weights(self, folder):
-        self._load_model(self.model, "shared", Path(folder) / "shared")
+        self._load_model(self.model, Path(folder) / "shared")
 
 
 class LoraPolicies(PolicySet):
@@ -432,12 +286,11 @@ class LoraPolicies(PolicySet):
         return [self.model]
 
     def generate(self, requests, generator=None):
-        if self.engines:
-            return self._engine_generate(requests, generator)
+        self._check_sampling()
         self.model.eval()  # mixed-adapter batches are only allowed in eval mode
         return _sample_grouped(self.model, self.tokenizer, requests, generator, adapter_of=self.policy_of)
 
-    def save_pretrained(self, folder):
+    def save_pretrained(self, folder, state_dicts=None):
         self.model.save_pretrained(Path(folder) / "adapters")  # one sub-folder per adapter
         self.tokenizer.save_pretrained(Path(folder) / "adapters")
 
@@ -486,20 +339,18 @@ class SeparatePolicies(PolicySet):
         return list(self.models.values())
 
     def generate(self, requests, generator=None):
-        if self.engines:
-            return self._engine_generate(requests, generator)
-        self._require_gathered()
-        return self._per_policy(requests, lambda pid, reqs: _sample_grouped(self.models[pid], self.tokenizer, reqs,
+        self._check_sampling()
+        return self.per_policy(requests, lambda pid, reqs: _sample_grouped(self.models[pid], self.tokenizer, reqs,
                                                                             generator))
 
-    def save_pretrained(self, folder):
+    def save_pretrained(self, folder, state_dicts=None):
         for pid, model in self.models.items():
-            self._save_model(model, pid, Path(folder) / pid)
+            self._save_model(model, pid, Path(folder) / pid, state_dicts)
             self.tokenizer.save_pretrained(Path(folder) / pid)
 
     def load_pretrained_weights(self, folder):
         for pid, model in self.models.items():
-            self._load_model(model, pid, Path(folder) / pid)
+            self._load_model(model, Path(folder) / pid)
 
 
 def build_policies(

@@ -258,7 +258,7 @@ def completion_logprobs(
             completion from its prompt's KV cache (the G samples of a task, and the members of
             one event, usually share a prompt).  Same values and gradients as the plain pass.
         checkpoint_layers: activation checkpointing of every decoder layer (recomputed in the
-            backward; see :mod:`srpo.policies.checkpointing`).  Same values and gradients.
+            backward; see :mod:`srpo.policies.activation_checkpointing`).  Same values and gradients.
 
     Returns:
         (M, T) float32 log-probs, 0 off the mask (and the entropies when asked).
@@ -269,7 +269,7 @@ def completion_logprobs(
         action_mask = attention_mask[:, P:]
     select = action_mask.bool()  # (M, T)
     head = model.get_output_embeddings()
-    from srpo.policies.checkpointing import activation_checkpointing
+    from srpo.policies.activation_checkpointing import activation_checkpointing
 
     with activation_checkpointing(model, checkpoint_layers and torch.is_grad_enabled()):
         states = _prediction_states(model, input_ids, attention_mask, P, share_prompts)  # (M, T, H)

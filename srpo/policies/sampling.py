@@ -80,7 +80,11 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
     ~1 ms).  Zero-weight tokens are never drawn.
     """
     cdf = probs.double().cumsum(-1)  # float64: the last entries of a 49k-long sum stay exact enough
-    u = torch.rand((probs.shape[0], 1), generator=generator, dtype=torch.float64, device=probs.device) * cdf[:, -1:]
+    # Drawn where the generator lives (a CPU generator — the trainer's, whose state checkpoints
+    # keep — cannot draw on a GPU), then moved: the same numbers on every device.
+    where = generator.device if generator is not None else probs.device
+    u = torch.rand((probs.shape[0], 1), generator=generator, dtype=torch.float64, device=where)
+    u = u.to(probs.device) * cdf[:, -1:]
     drawn = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
     # u rounded up to the row total (probability ~2^-53) would land past the last positive weight.
     zero = probs.gather(-1, drawn[:, None]).squeeze(-1) == 0
@@ -108,6 +112,73 @@ def _kv_bytes_per_token(model) -> int:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     return 3 * 2 * cfg.num_hidden_layers * kv_heads * head_dim * 4
+
+
+@dataclass
+class _Rows:
+    """Per-row sampling settings of one call, as tensors on the model's device (rows still
+    decoding; :meth:`keep` drops the finished ones)."""
+
+    temp: torch.Tensor      # (b,) temperature, 1 where greedy
+    greedy: torch.Tensor    # (b,) bool
+    top_p: torch.Tensor     # (b,)
+    next_pos: torch.Tensor  # (b,) position of the next token
+    attn: torch.Tensor      # (b, P + step) attention mask
+    use_top_p: bool
+
+    def keep(self, keep: torch.Tensor) -> None:
+        self.temp, self.greedy, self.top_p, self.next_pos, self.attn = (
+            t[keep] for t in (self.temp, self.greedy, self.top_p, self.next_pos, self.attn))
+
+
+def _left_padded(prompts: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, P) token ids and attention mask of the prompts, left-padded to the longest."""
+    B, P = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((B, P), pad, dtype=torch.long, device=device)
+    attn = torch.zeros((B, P), dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p):] = torch.tensor(p, dtype=torch.long)
+        attn[i, P - len(p):] = 1
+    return ids, attn
+
+
+def _prefill(model, ids, attn, prompts, adapter_names, cache_kw):
+    """Run each distinct (prompt, adapter) once — the G samples of a task and workers that share a
+    prompt repeat it — in row chunks under :data:`PREFILL_SCORE_BUDGET`.
+
+    Returns ``(cache, next_logits, expand)``: the cache of the distinct rows (chunks joined along
+    the batch), the (B, V) last logits expanded to every row, and (B,) each row's distinct row."""
+    from transformers import DynamicCache
+
+    device = ids.device
+    first_of: dict[tuple, int] = {}
+    expand = [first_of.setdefault((tuple(p), adapter_names[i] if adapter_names else None), len(first_of))
+              for i, p in enumerate(prompts)]
+    expand_t = torch.tensor(expand, device=device)
+    unique_rows = torch.tensor([expand.index(u) for u in range(len(first_of))], device=device)
+    names = [adapter_names[i] for i in unique_rows.tolist()] if adapter_names is not None else None
+    pre_ids, pre_attn = ids[unique_rows], attn[unique_rows]
+    # The prefill's attention scores take U·heads·P² floats at once; with long retrieved contexts
+    # rows go through in chunks (each row attends only within itself, so the chunks' caches join
+    # along the batch).  The KV cache itself is bounded by SAMPLE_KV_BUDGET in sample().
+    P = ids.shape[1]
+    heads = getattr(_text_config(model), "num_attention_heads", 16)
+    per_chunk = max(1, PREFILL_SCORE_BUDGET // (heads * P * P * 4))
+    logits_parts, caches = [], []
+    for start in range(0, len(first_of), per_chunk):
+        part = slice(start, start + per_chunk)
+        chunk_cache = DynamicCache()
+        out = model(input_ids=pre_ids[part], attention_mask=pre_attn[part],
+                    position_ids=position_ids_from_mask(pre_attn[part]), use_cache=True, logits_to_keep=1,
+                    **{cache_kw: chunk_cache}, **({"adapter_names": names[part]} if names is not None else {}))
+        logits_parts.append(out.logits[:, -1])
+        caches.append(chunk_cache)
+    cache = caches[0]
+    if len(caches) > 1:
+        for i, layer in enumerate(cache.layers):
+            layer.keys = torch.cat([c.layers[i].keys for c in caches])
+            layer.values = torch.cat([c.layers[i].values for c in caches])
+    return cache, torch.cat(logits_parts)[expand_t], expand_t, len(first_of)
 
 
 @torch.no_grad()
@@ -146,87 +217,59 @@ def sample(
                 + sample(model, tokenizer, prompts[half:], params[half:], adapter_names=names and names[half:], **kw))
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    P = max(len(p) for p in prompts)
-    ids = torch.full((B, P), pad, dtype=torch.long, device=device)
-    attn = torch.zeros((B, P), dtype=torch.long, device=device)
-    for i, p in enumerate(prompts):
-        ids[i, P - len(p):] = torch.tensor(p, dtype=torch.long)
-        attn[i, P - len(p):] = 1
+    ids, attn = _left_padded(prompts, pad, device)
     temp = torch.tensor([max(s.temperature, 0.0) for s in params], device=device)
     greedy = temp == 0
-    temp = torch.where(greedy, torch.ones_like(temp), temp)
     top_p = torch.tensor([s.top_p for s in params], device=device)
-    use_top_p = bool((top_p < 1).any())
-    limits = [s.max_new_tokens for s in params]
-    eos = torch.tensor(sorted(eos_token_ids(model, tokenizer)), device=device)
-    stop_rows = [i for i, s in enumerate(params) if s.stop]
-    stop_window = {i: max(len(t) for t in params[i].stop) + 8 for i in stop_rows}
-
-    extra = {"adapter_names": adapter_names} if adapter_names is not None else {}
-    from transformers import DynamicCache
-
+    rows = _Rows(torch.where(greedy, torch.ones_like(temp), temp), greedy, top_p, attn.sum(-1), attn,
+                 bool((top_p < 1).any()))
     # The lean decode step serves plain Llama-family models; PEFT mixed-adapter batches and other
     # architectures take HF's step.  Both see the same prefill, draws and bookkeeping.
     decoder = fast_decoder_for(model) if fast_decode and adapter_names is None else None
     cache_kw = cache_keyword(model.get_base_model() if hasattr(model, "get_base_model") else model)
-    cache = DynamicCache()
-    # Prefill each distinct (prompt, adapter) once: the G samples of a task, and workers that
-    # share a prompt, repeat it.  The KV cache and last logits are then expanded to every row.
-    first_of: dict[tuple, int] = {}
-    expand = [first_of.setdefault((tuple(p), adapter_names[i] if adapter_names else None), len(first_of))
-              for i, p in enumerate(prompts)]
-    expand_t = torch.tensor(expand, device=device)
-    unique_rows = torch.tensor([expand.index(u) for u in range(len(first_of))], device=device)
-    pre_extra = {"adapter_names": [adapter_names[i] for i in unique_rows.tolist()]} if adapter_names is not None else {}
-    pre_attn = attn[unique_rows]
-    # The prefill's attention scores take U·heads·P² floats at once; with long retrieved contexts
-    # rows go through in chunks under PREFILL_SCORE_BUDGET (each row attends only within itself,
-    # so the chunks' caches join along the batch).  The KV cache itself is bounded above.
-    heads = getattr(_text_config(model), "num_attention_heads", 16)
-    per_chunk = max(1, PREFILL_SCORE_BUDGET // (heads * P * P * 4))
-    pre_ids = ids[unique_rows]
-    logits_parts, caches = [], []
-    for start in range(0, len(first_of), per_chunk):
-        part = slice(start, start + per_chunk)
-        chunk_cache = cache if start == 0 else DynamicCache()
-        chunk_extra = {"adapter_names": pre_extra["adapter_names"][part]} if pre_extra else {}
-        out = model(input_ids=pre_ids[part], attention_mask=pre_attn[part],
-                    position_ids=position_ids_from_mask(pre_attn[part]), use_cache=True, logits_to_keep=1,
-                    **{cache_kw: chunk_cache}, **chunk_extra)
-        logits_parts.append(out.logits[:, -1])
-        caches.append(chunk_cache)
-    if len(caches) > 1:
-        for i, layer in enumerate(cache.layers):
-            layer.keys = torch.cat([c.layers[i].keys for c in caches])
-            layer.values = torch.cat([c.layers[i].values for c in caches])
-    next_logits = torch.cat(logits_parts)[expand_t]  # (B, V)
+    cache, next_logits, expand_t, distinct = _prefill(model, ids, attn, prompts, adapter_names, cache_kw)
     if decoder is not None:
-        state = decoder.start(cache, expand_t, capacity=P + max(limits))
-        del cache
-    elif len(first_of) < B:
+        cache = decoder.start(cache, expand_t, capacity=ids.shape[1] + max(s.max_new_tokens for s in params))
+    elif distinct < B:
         cache.batch_select_indices(expand_t)
-    next_pos = attn.sum(-1)  # (B,) position of the first new token
+    tokens, logps, reasons = _decode(model, tokenizer, params, rows, next_logits, cache, decoder, cache_kw,
+                                     adapter_names, generator, pad)
+    return [
+        Sample(completion_ids=tokens[i], text=tokenizer.decode(tokens[i], skip_special_tokens=True),
+               logprobs=logps[i], finish_reason=reasons[i] or "length")
+        for i in range(B)
+    ]
+
+
+def _decode(model, tokenizer, params, rows: _Rows, next_logits, cache, decoder, cache_kw, adapter_names,
+            generator, pad):
+    """The token steps: draw, record, stop finished rows, feed the rest.  ``cache`` is the HF cache
+    or the fast decoder's state.  Returns per row (tokens, log-probs, finish reasons)."""
+    B = len(params)
+    device = next_logits.device
+    limits = [s.max_new_tokens for s in params]
+    eos = torch.tensor(sorted(eos_token_ids(model, tokenizer)), device=device)
+    stop_window = {i: max(len(t) for t in s.stop) + 8 for i, s in enumerate(params) if s.stop}
+    extra = {"adapter_names": adapter_names} if adapter_names is not None else {}
     tokens: list[list[int]] = [[] for _ in range(B)]
     logps: list[list[float]] = [[] for _ in range(B)]
     reasons: list[str | None] = [None] * B
-    rows = list(range(B))  # the original index of each row still in the decode batch
+    live = list(range(B))  # the original index of each row still in the decode batch
     for step in range(max(limits)):
-        logits = next_logits.float() / temp[:, None]  # (b, V), b = rows still in the batch
+        logits = next_logits.float() / rows.temp[:, None]  # (b, V), b = rows still in the batch
         logp = torch.log_softmax(logits, dim=-1)
         probs = logp.exp()
-        if use_top_p:  # a full sort over the vocabulary: only when some row asks for it
-            probs = _top_p_filter(probs, top_p)
-        drawn = draw(probs, generator)
-        chosen = torch.where(greedy, logits.argmax(-1), drawn)  # (b,)
+        if rows.use_top_p:  # a full sort over the vocabulary: only when some row asks for it
+            probs = _top_p_filter(probs, rows.top_p)
+        chosen = torch.where(rows.greedy, logits.argmax(-1), draw(probs, generator))  # (b,)
         chosen_logp = logp.gather(-1, chosen[:, None]).squeeze(-1)
         is_eos = torch.isin(chosen, eos)
-        chosen_list, logp_list, eos_list = chosen.tolist(), chosen_logp.tolist(), is_eos.tolist()
-        for b, i in enumerate(rows):
+        for b, (i, tok, lp, ended) in enumerate(zip(live, chosen.tolist(), chosen_logp.tolist(), is_eos.tolist())):
             if reasons[i] is not None:
                 continue
-            tokens[i].append(chosen_list[b])
-            logps[i].append(logp_list[b])
-            if eos_list[b]:
+            tokens[i].append(tok)
+            logps[i].append(lp)
+            if ended:
                 reasons[i] = "eos"
             elif i in stop_window:
                 tail = tokenizer.decode(tokens[i][-stop_window[i]:], skip_special_tokens=False)
@@ -234,36 +277,32 @@ def sample(
                     reasons[i] = "stop"
             if reasons[i] is None and len(tokens[i]) >= limits[i]:
                 reasons[i] = "length"
-        still = [b for b, i in enumerate(rows) if reasons[i] is None]
+        still = [b for b, i in enumerate(live) if reasons[i] is None]
         if not still:
             break
-        if 4 * (len(rows) - len(still)) >= len(rows):
+        if 4 * (len(live) - len(still)) >= len(live):
             # A quarter or more of the batch has finished: drop those rows (one copy of the cache)
             # so that later steps compute only for the rows still sampling.
             keep = torch.tensor(still, device=device)
-            rows = [rows[b] for b in still]
-            chosen, temp, greedy, top_p, next_pos, attn = (
-                t[keep] for t in (chosen, temp, greedy, top_p, next_pos, attn))
+            live = [live[b] for b in still]
+            chosen = chosen[keep]
+            rows.keep(keep)
             if decoder is not None:
-                state.keep_rows(keep)
+                cache.keep_rows(keep)
             else:
                 cache.batch_select_indices(keep)
                 if adapter_names is not None:
-                    extra = {"adapter_names": [adapter_names[i] for i in rows]}
-        active = torch.tensor([reasons[i] is None for i in rows], device=device)
+                    extra = {"adapter_names": [adapter_names[i] for i in live]}
+        active = torch.tensor([reasons[i] is None for i in live], device=device)
         feed = torch.where(active, chosen, torch.full_like(chosen, pad))
-        attn = torch.cat([attn, active.long()[:, None]], dim=1)
+        rows.attn = torch.cat([rows.attn, active.long()[:, None]], dim=1)
         if decoder is not None:
             if step + 1 == PACK_AFTER_STEPS:
-                decoder.pack_weights(state)
-            next_logits = decoder.step(state, feed, next_pos, attn.bool())
+                decoder.pack_weights(cache)
+            next_logits = decoder.step(cache, feed, rows.next_pos, rows.attn.bool())
         else:
-            out = model(input_ids=feed[:, None], attention_mask=attn, position_ids=next_pos[:, None],
+            out = model(input_ids=feed[:, None], attention_mask=rows.attn, position_ids=rows.next_pos[:, None],
                         use_cache=True, **{cache_kw: cache}, **extra)
             next_logits = out.logits[:, -1]
-        next_pos = next_pos + 1
-    return [
-        Sample(completion_ids=tokens[i], text=tokenizer.decode(tokens[i], skip_special_tokens=True),
-               logprobs=logps[i], finish_reason=reasons[i] or "length")
-        for i in range(B)
-    ]
+        rows.next_pos = rows.next_pos + 1
+    return tokens, logps, reasons

@@ -186,6 +186,8 @@ class Runtime:
 
     Args:
         policies: the models behind the roles.
+        engine: what samples (a :class:`~srpo.rollout.engine.RolloutEngine`; default: srpo's own
+            sampler on ``policies``).
         roles: prompt and sampling settings per role name.
         reward_fn: ``(task, final_answer) -> float``; an exception gives ``failure_reward``.
         generator: seeds sampling.
@@ -196,8 +198,11 @@ class Runtime:
 
     def __init__(self, policies: PolicySet, roles: dict[str, RoleSpec], reward_fn: RewardFn, *,
                  generator: torch.Generator | None = None, max_batch: int = 256, max_prompt_tokens: int = 4096,
-                 tool_timeout_s: float = 10.0, failure_reward: float = 0.0):
+                 tool_timeout_s: float = 10.0, failure_reward: float = 0.0, engine=None):
+        from srpo.rollout.builtin import BuiltinEngine
+
         self.policies = policies
+        self.engine = engine if engine is not None else BuiltinEngine(policies)
         self.roles = roles
         self.reward_fn = reward_fn
         self.generator = generator
@@ -275,7 +280,7 @@ class Runtime:
             try:
                 for start in range(0, len(pending), self.max_batch):
                     chunk = pending[start:start + self.max_batch]
-                    samples = self.policies.generate([r for r, _ in chunk], self.generator)
+                    samples = self.engine.generate([r for r, _ in chunk], self.generator)
                     self.generate_calls.append(len(chunk))
                     for (_, fut), s in zip(chunk, samples):
                         if not fut.done():  # its episode may have been cancelled during the call

@@ -104,7 +104,7 @@ class VLLMEngine:
         self.llm = LLM(model=str(model_path), dtype=dtype, seed=seed, enforce_eager=eager,
                        gpu_memory_utilization=settings.gpu_memory_utilization, max_model_len=settings.max_model_len,
                        enable_prefix_caching=True, logprobs_mode="processed_logprobs",
-                       worker_extension_cls="srpo.policies.vllm_engine.WeightSync",
+                       worker_extension_cls="srpo.rollout.vllm.WeightSync",
                        enable_lora=enable_lora, max_lora_rank=settings.max_lora_rank if enable_lora else 16)
         self.shm = Path(tempfile.mkdtemp(prefix=f"srpo-vllm-{os.getpid()}-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
         self.loras: dict[str, object] = {}  # policy id → its current LoRARequest
@@ -170,3 +170,100 @@ class VLLMEngine:
             self.llm.llm_engine.engine_core.shutdown()
         except Exception:  # noqa: BLE001 - best effort: the engine process ends with ours anyway
             pass
+
+
+class VLLMRollout:
+    """The vLLM rollout engine of a run: one :class:`VLLMEngine` per full-model policy (``shared``,
+    ``separate``), or one over the frozen base with each policy's LoRA adapter (``lora``).
+
+    Started on the policies' current weights; :meth:`update_weights` pushes the new ones (or
+    adapters) after every update."""
+
+    name = "vllm"
+
+    def __init__(self, policies, model_name: str, *, dtype: str, seed: int, settings: EngineSettings):
+        self.policies = policies
+        staging = Path(tempfile.mkdtemp(prefix="srpo-engine-src-"))
+        try:
+            if policies.layout == "lora":
+                base = _base_model_folder(model_name, staging / "base", seed)
+                self.engines = {"base": VLLMEngine(base, dtype=dtype, seed=seed, settings=settings, enable_lora=True)}
+            else:
+                self.engines = {}
+                for pid in policies.policy_ids:
+                    folder = staging / pid
+                    _save_for_engine(policies.model_for(pid), policies.tokenizer, folder)
+                    self.engines[pid] = VLLMEngine(folder, dtype=dtype, seed=seed, settings=settings)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        self.update_weights()
+
+    def update_weights(self) -> None:
+        """Push the current weights (or adapters) into the engine(s); call after optimizer steps."""
+        policies = self.policies
+        if policies.layout == "lora":
+            engine = self.engines["base"]
+            for pid in policies.policy_ids:
+                engine.sync_adapter(pid, lambda folder, pid=pid: self._save_adapter(pid, folder))
+        else:
+            for pid, engine in self.engines.items():
+                engine.sync(_unique_tensors(policies.model_for(pid).state_dict()))
+
+    def _save_adapter(self, policy_id: str, folder: Path) -> None:
+        """One policy's LoRA adapter alone in ``folder`` (PEFT puts a non-default one in a sub-folder)."""
+        self.policies.model.save_pretrained(folder, selected_adapters=[policy_id])
+        _flatten_adapter_folder(folder, policy_id)
+
+    def generate(self, requests, generator=None) -> list[Sample]:
+        policies = self.policies
+        if policies.layout == "lora":
+            return self.engines["base"].generate([r.prompt_ids for r in requests], [r.params for r in requests],
+                                                 generator, adapters=[policies.policy_of(r.role) for r in requests])
+        return policies.per_policy(requests, lambda pid, reqs: self.engines[pid].generate(
+            [r.prompt_ids for r in reqs], [r.params for r in reqs], generator))
+
+    def close(self) -> None:
+        for engine in self.engines.values():
+            engine.close()
+        self.engines = {}
+
+
+def _unique_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop second names of one tensor (tied embeddings): safetensors refuses shared storage, and
+    the engine ties them itself."""
+    seen, out = set(), {}
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            out[name] = tensor
+    return out
+
+
+def _save_for_engine(model, tokenizer, folder: Path) -> None:
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def _base_model_folder(model_name: str, folder: Path, seed: int) -> Path:
+    """A folder holding the (frozen) base model for a LoRA engine."""
+    from srpo.policies.models import GGUF_MODELS, TINY_MODELS, converted_checkpoint
+
+    if model_name in GGUF_MODELS:
+        return converted_checkpoint(model_name)
+    if model_name in TINY_MODELS:
+        from srpo.policies.models import load_model
+
+        base, tok = load_model(model_name, seed=seed)
+        _save_for_engine(base, tok, folder)
+        return folder
+    return Path(model_name) if Path(model_name).is_dir() else model_name  # a hub id: vLLM fetches it
+
+
+def _flatten_adapter_folder(folder: Path, pid: str) -> None:
+    """PEFT writes a non-default adapter into ``folder/<pid>/``; vLLM wants it at ``folder``."""
+    sub = Path(folder) / pid
+    if sub.is_dir():
+        for f in sub.iterdir():
+            shutil.move(str(f), str(Path(folder) / f.name))
+        sub.rmdir()

@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from srpo.parallel.base import DataParallel
+from srpo.policies.activation_checkpointing import decoder_layers
 from srpo.policies.logprobs import completion_logprobs
 
 
@@ -40,15 +43,6 @@ class LogProbModule(nn.Module):
         return completion_logprobs(self.model, input_ids, attention_mask, prompt_length, action_mask=action_mask,
                                    temperature=temperature, chunk_tokens=chunk_tokens, return_entropy=return_entropy,
                                    checkpoint_layers=checkpoint_layers)
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks: the largest ``nn.ModuleList`` in the model (``model.layers`` for
-    Llama, Qwen2, Gemma-3 ...)."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-    if not lists:
-        raise ValueError(f"{type(model).__name__}: no list of decoder layers to shard")
-    return list(max(lists, key=lambda ml: sum(p.numel() for p in ml.parameters())))
 
 
 def ensure_process_group() -> None:
@@ -126,6 +120,91 @@ def set_full_state_dict(root: LogProbModule, state: dict[str, torch.Tensor]) -> 
                          options=StateDictOptions(full_state_dict=True, strict=False))
 
 
-def global_norm_value(norm: torch.Tensor) -> torch.Tensor:
-    """``clip_grad_norm_`` over DTensor gradients returns a DTensor; the plain total norm."""
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+class FullyShardedDataParallel(DataParallel):
+    """The FSDP2 backend (``train.parallel: fsdp``): every policy's model sharded across ranks."""
+
+    name = "fsdp"
+    needs_idle_pass = True
+    sharded_optimizer_state = True
+
+    def __init__(self):
+        ensure_process_group()  # one process without torchrun still shards (over one rank)
+        super().__init__()
+        self.roots: dict[str, LogProbModule] = {}
+        self._gathered_depth = 0
+
+    def wrap(self, policies) -> None:
+        """Shard every policy's model (before the optimizers: they hold the sharded parameters)
+        and route its log-prob passes through the root unit."""
+        if policies.layout not in ("shared", "separate"):
+            raise ValueError(f"FSDP shards full models (layouts shared, separate), not the {policies.layout} layout")
+        self.roots = {pid: shard(policies.model_for(pid)) for pid in policies.policy_ids}
+        policies.logprob_modules = dict(self.roots)
+        policies.sampling_check = self._require_gathered
+        with torch.no_grad():  # FSDP sets itself up on the root's first forward, which must come first
+            for pid in policies.policy_ids:
+                self._idle_forward(policies, pid)
+
+    def _require_gathered(self) -> None:
+        if not self._gathered_depth:
+            raise RuntimeError("FSDP-sharded policies sample only inside backend.gathered(policies) (entered by "
+                               "every rank alike, e.g. once per rollout)")
+
+    @contextlib.contextmanager
+    def gathered(self, policies):
+        """Full parameters for sampling (a collective: every rank enters it the same number of
+        times — once per rollout); a no-op when already inside."""
+        if self._gathered_depth:
+            yield
+            return
+        self._gathered_depth += 1
+        try:
+            with gathered(list(self.roots.values())):
+                yield
+        finally:
+            self._gathered_depth -= 1
+
+    def reduce_gradients(self, params) -> None:
+        """Nothing: FSDP's backward already reduce-scattered (summed) every gradient."""
+
+    def _idle_forward(self, policies, policy_id: str) -> torch.Tensor:
+        """A one-token pass through ``policy_id``'s root unit: 0 with a graph."""
+        root = self.roots[policy_id]
+        device = next(iter(root.parameters())).device
+        ids = torch.full((1, 2), int(policies.tokenizer.pad_token_id or 0), dtype=torch.long, device=device)
+        out = root(ids, torch.ones_like(ids), 1, action_mask=torch.zeros(1, 1, device=device))
+        return out.sum() * 0.0
+
+    def idle_pass(self, policies, policy_ids, *, grad: bool) -> torch.Tensor:
+        """FSDP's all-gathers and reduce-scatters are collectives every rank must join: a rank with
+        nothing of its own to forward runs each of ``policy_ids``' roots on one token (in the same
+        order as every other rank) and adds the zero to its loss."""
+        with torch.set_grad_enabled(grad):
+            return sum(self._idle_forward(policies, pid) for pid in policy_ids)
+
+    def full_state_dicts(self, policies) -> dict[str, dict[str, torch.Tensor]]:
+        """Every policy's full weights on rank 0 (``{}`` elsewhere); a collective."""
+        return {pid: full_state_dict(root) for pid, root in self.roots.items()}
+
+    def _dcp_state(self, optimizers) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        return {pid: dict(zip(("model", "optim"), get_state_dict(root, optimizers[pid])))
+                for pid, root in self.roots.items()}
+
+    def save_sharded(self, folder: Path, policies, optimizers) -> None:
+        """Every rank writes its shards of model and optimizer into ``folder/dcp`` (DCP)."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._dcp_state(optimizers), checkpoint_id=str(Path(folder) / "dcp"))
+
+    def load_sharded(self, folder: Path, policies, optimizers) -> None:
+        """Model and optimizer shards from ``folder/dcp``, resharded to this run's number of ranks."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = self._dcp_state(optimizers)
+        dcp.load(state, checkpoint_id=str(Path(folder) / "dcp"))
+        for pid, root in self.roots.items():
+            set_state_dict(root, optimizers[pid], model_state_dict=state[pid]["model"],
+                           optim_state_dict=state[pid]["optim"])

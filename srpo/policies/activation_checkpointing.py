@@ -20,6 +20,7 @@ import inspect
 from functools import partial
 
 import torch
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 CACHE_NAMES = ("cache", "past_key_values", "past_key_value")
@@ -105,7 +106,6 @@ def activation_checkpointing(model, enabled: bool = True):
     if not enabled:
         yield
         return
-    from srpo.policies.fsdp import decoder_layers
 
     layers = decoder_layers(model)
     saved = []
@@ -122,3 +122,12 @@ def activation_checkpointing(model, enabled: bool = True):
                 layer.forward = value
             else:
                 del layer.forward
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks: the largest ``nn.ModuleList`` in the model (``model.layers`` for
+    Llama, Qwen2, Gemma-3 ...)."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not lists:
+        raise ValueError(f"{type(model).__name__}: no list of decoder layers to shard")
+    return list(max(lists, key=lambda ml: sum(p.numel() for p in ml.parameters())))

@@ -1,0 +1,29 @@
+"""srpo's own sampler as a rollout engine (``rollout.engine: builtin``, the default).
+
+It samples in the training process from the policies' live weights (one prefill per distinct
+prompt, the fast decoder, mixed LoRA adapters in one call: :mod:`srpo.policies.sampling`), so
+there are no weights to push after an update.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from srpo.policies.layouts import GenerationRequest, PolicySet
+from srpo.policies.sampling import Sample
+
+
+class BuiltinEngine:
+    name = "builtin"
+
+    def __init__(self, policies: PolicySet):
+        self.policies = policies
+
+    def generate(self, requests: list[GenerationRequest], generator: torch.Generator | None = None) -> list[Sample]:
+        return self.policies.generate(requests, generator)
+
+    def update_weights(self) -> None:
+        """Nothing to do: the sampler reads the weights the optimizer just changed."""
+
+    def close(self) -> None:
+        """Nothing to release."""

@@ -1,0 +1,43 @@
+"""The rollout engine interface: what samples the team's generations.
+
+A rollout engine answers a batch of :class:`~srpo.policies.layouts.GenerationRequest` (every
+pending request of every live episode and role, as the workflow runtime batches them) with
+:class:`~srpo.policies.sampling.Sample` s that carry the sampled token ids and their behaviour
+log-probs; it takes the policies' new weights after an update; it is closed at the end of a run.
+
+Two implementations, selected by the assembly layer (:func:`srpo.build.engine`) from
+``rollout.engine``:
+
+``hf`` (:class:`srpo.rollout.builtin.BuiltinEngine`)  srpo's own sampler in the training
+    process, on the training weights themselves (nothing to sync).
+``vllm`` (:class:`srpo.rollout.vllm.VLLMRollout`)  colocated vLLM engine(s), weights pushed in
+    after every update.
+
+A new engine (an SGLang server, a remote pool) implements these three methods and gets one line in
+:func:`srpo.build.engine`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from srpo.policies.layouts import GenerationRequest
+from srpo.policies.sampling import Sample
+
+
+class RolloutEngine(Protocol):
+    name: str
+
+    def generate(self, requests: list[GenerationRequest], generator: torch.Generator | None = None) -> list[Sample]:
+        """One sample per request, in order, with its token ids and behaviour log-probs."""
+        ...
+
+    def update_weights(self) -> None:
+        """Take the policies' current weights (after optimizer steps, or a resume)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the engine holds (processes, memory)."""
+        ...

@@ -1,0 +1,281 @@
+"""The training loop, top to bottom: rollout → events → advantages → update → log → checkpoint.
+
+One step (:meth:`Trainer.train_step`):
+
+1. take ``tasks_per_step`` tasks (a seeded shuffled order; the position is checkpointed), this
+   rank's share of them;
+2. **rollout**: ``group_size`` episodes of the workflow per task, all concurrently, generation
+   batched across episodes and roles through the rollout engine (:mod:`srpo.rollout`);
+3. **events**: keep complete events (incomplete ones are dropped whole and counted);
+4. **advantages** per event group as the method defines them (:mod:`srpo.methods`);
+5. **update** (:class:`~srpo.train.update.PolicyUpdate`): q_old recomputed when needed, then
+   ``epochs`` × event-atomic mini-batches, one optimizer step per policy each; the engine then
+   takes the new weights;
+6. **log** metrics (:mod:`srpo.train.diagnostics`) and sample episodes; evaluate the held-out sets
+   every ``eval.every`` steps;
+7. **checkpoint** atomically every ``checkpoint.every`` steps (:mod:`srpo.train.state`).
+
+Every part comes from the assembly layer (:mod:`srpo.build`): tasks, workflow, policies, the
+parallel backend (:mod:`srpo.parallel`: one process, DDP or FSDP), the rollout engine, optimizers,
+schedulers and the logger; this module only runs them in order.  Data parallel: launch with
+``torchrun``; each rank rolls out its own share of the step's tasks and the backend sums gradients
+across ranks (the normaliser is already global), so the update equals that of one process on the
+whole batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from srpo import build
+from srpo.checkpoint import BEST_FILE, remove_stale_temporaries
+from srpo.config import Config
+from srpo.data import epoch_order
+from srpo.events import validate_events
+from srpo.fileio import write_text_atomic
+from srpo.methods import assign_advantages
+from srpo.policies.layouts import PolicySet
+from srpo.run_dir import RunDirError, RunLock
+from srpo.train import state
+from srpo.train.diagnostics import RolloutMismatch, episode_metrics, episode_record
+from srpo.train.state import TrainingStopped  # noqa: F401  (part of this module's API)
+from srpo.train.update import PolicyUpdate
+from srpo.workflows.runtime import EpisodeResult, Runtime
+
+
+class Trainer:
+    """One training run in ``cfg.run.output_dir``.
+
+    The run folder is locked for the trainer's life (:meth:`close` releases it; so does the end
+    of the process).  A run continues the folder's previous run only through :meth:`resume`; a
+    fresh :meth:`fit` refuses a folder that holds another run's metrics or checkpoints unless
+    ``overwrite`` is set, which deletes those artefacts first.
+    """
+
+    BEST_METRIC = "eval/macro/avg@{k}"
+
+    def __init__(self, cfg: Config, *, policies: PolicySet | None = None, backend=None, progress: bool = True,
+                 reward_fn=None, overwrite: bool = False):
+        self.cfg = cfg
+        self.backend = backend or build.backend(cfg)
+        self.progress = progress and self.backend.rank == 0
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+        self.run_dir = Path(cfg.run.output_dir)
+        self.overwrite = overwrite
+        self.claimed = False  # whether this run owns the folder's logs (resumed, or started fresh)
+        self.lock = RunLock(self.run_dir)
+        state.on_rank0_agreed(self.backend, lambda: (self.lock.acquire(), remove_stale_temporaries(self.run_dir)),
+                              RunDirError(f"rank 0 could not lock the run folder {self.run_dir}; see its message"))
+        self.method = build.method(cfg)
+        self._seed_everything(cfg.run.seed)
+        self.train_tasks = build.train_tasks(cfg)
+        # Held-out sets load up front: a bad eval dataset fails before a model loads, not at step N.
+        self.eval_sets = build.eval_sets(cfg) if cfg.eval.every else {}
+        team = build.team(cfg, policies)
+        self.retriever, self.workflow, self.role_specs, self.policies = (team.retriever, team.workflow,
+                                                                         team.role_specs, team.policies)
+        # A held-out set with its own corpus runs in the same workflow over that corpus.
+        self.eval_workflows = build.eval_workflows(cfg, None, self.workflow) if self.eval_sets else {}
+        if cfg.method.kl_coef > 0:
+            self.policies.freeze_reference()
+        self.backend.wrap(self.policies)  # before the optimizers: they hold the (sharded) parameters
+        if cfg.train.activation_checkpointing and cfg.run.device == "cpu":
+            from srpo.policies.activation_checkpointing import return_freed_blocks_to_the_os
+
+            return_freed_blocks_to_the_os()  # else glibc keeps the freed activations (see there)
+        self.engine = build.engine(cfg, self.policies)
+        self.optimizers = {pid: build.optimizer(cfg, self.policies.parameters(pid)) for pid in self.policies.policy_ids}
+        self.schedulers = {pid: build.scheduler(cfg, opt) for pid, opt in self.optimizers.items()}
+        self.totals = state.make_totals()  # running counters (tokens, correct, skipped steps ...)
+        # (A factory, not the bound method: a reference back to the trainer would keep a dropped
+        # trainer — and its run-folder lock — alive until the cycle collector runs.)
+        self.updater = PolicyUpdate(cfg, self.method, self.policies, self.backend, self.optimizers,
+                                    functools.partial(build.autocast, cfg), self.totals)
+        # Each rank samples differently; the seed offset keeps ranks' rollouts independent.
+        self.rollout_generator = torch.Generator().manual_seed(cfg.run.seed * 1000 + self.backend.rank)
+        self.runtime = Runtime(self.policies, self.role_specs, reward_fn or build.reward(cfg),
+                               generator=self.rollout_generator, max_batch=cfg.train.rollout_batch,
+                               max_prompt_tokens=cfg.workflow.max_prompt_tokens, engine=self.engine)
+        self.step, self.data_epoch, self.data_pos = 0, 0, 0
+        self.data_order = epoch_order(len(self.train_tasks), cfg.run.seed, 0)
+        self.best: dict[str, Any] | None = None  # the best held-out evaluation so far (eval.every)
+        self.mismatch = RolloutMismatch()
+        self.logger = build.metrics_logger(cfg, self.backend.rank)
+
+    def close(self) -> None:
+        """Release the run folder (the lock), the engine and the logs; the trainer can still be read."""
+        self.logger.close()
+        self.engine.close()
+        self.lock.release()
+
+    def autocast(self):
+        return build.autocast(self.cfg)
+
+    def _seed_everything(self, seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+    # -- checkpoints (srpo.train.state) -------------------------------------------------------------
+    def save(self) -> Path | None:
+        return state.save(self)
+
+    def resume(self, path: Path | None = None) -> bool:
+        return state.resume(self, path)
+
+    # -- 1. tasks ------------------------------------------------------------------------------------
+    def next_tasks(self):
+        """This rank's tasks for the step: the global step's tasks, dealt round-robin to ranks."""
+        picked = []
+        for _ in range(self.cfg.train.tasks_per_step):
+            if self.data_pos >= len(self.data_order):
+                self.data_epoch += 1
+                self.data_pos = 0
+                self.data_order = epoch_order(len(self.train_tasks), self.cfg.run.seed, self.data_epoch)
+            picked.append(self.train_tasks[self.data_order[self.data_pos]])
+            self.data_pos += 1
+        return picked[self.backend.rank::self.backend.world]
+
+    # -- 2. rollout ----------------------------------------------------------------------------------
+    def rollout(self, tasks) -> list[EpisodeResult]:
+        g = self.cfg.train.group_size
+        jobs = [(f"s{self.step}-r{self.backend.rank}-t{i}-g{j}", t) for i, t in enumerate(tasks) for j in range(g)]
+        # Full parameters for the whole rollout, gathered once (FSDP) — every rank rolls out once
+        # a step, while the number of generation calls differs from rank to rank.
+        with torch.no_grad(), self.autocast(), self.backend.gathered(self.policies):
+            return self.runtime.run(self.workflow, jobs)
+
+    # -- 5. update (srpo.train.update) ---------------------------------------------------------------
+    def recompute_old_logprobs(self, events) -> None:
+        self.updater.recompute_old_logprobs(events, self.mismatch)
+
+    def update(self, events) -> dict[str, Any]:
+        return self.updater.run(events, self.mismatch)
+
+    # -- one step ------------------------------------------------------------------------------------
+    def train_step(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        episodes = self.rollout(self.next_tasks())
+        t_rollout = time.perf_counter() - t0
+        valid, dropped = validate_events([e for ep in episodes for e in ep.events])
+        loss_events = assign_advantages(valid, self.method, scale=self.cfg.method.advantage_scale)
+        t1 = time.perf_counter()
+        self.mismatch = RolloutMismatch()
+        if self.cfg.train.old_logprobs == "recompute" and not self.updater.on_policy_single_step:
+            needed = self.updater.events_to_forward(loss_events)
+            # With idle passes (FSDP) the pass is collective: every rank runs it when any rank needs it.
+            if self.backend.sum_int(len(needed)) if self.backend.needs_idle_pass else needed:
+                self.recompute_old_logprobs(needed)
+        metrics = self.update(loss_events)
+        t_update = time.perf_counter() - t1
+        metrics.update(episode_metrics(episodes, valid, dropped, self.totals))
+        metrics.update(self.mismatch.metrics())
+        for key, count in getattr(self.retriever, "stats", {}).items():  # a retrieval server's client
+            metrics[f"retriever/{key}"] = count  # since the run (this process) started
+        metrics.update({"time/rollout_s": t_rollout, "time/update_s": t_update,
+                        "time/step_s": time.perf_counter() - t0,
+                        "lr": self.schedulers[self.policies.policy_ids[0]].get_last_lr()[0]})
+        self.engine.update_weights()  # the next rollout samples from the updated weights
+        with warnings.catch_warnings():  # a skipped (NaN) step still advances the schedule, on purpose
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            for sched in self.schedulers.values():
+                sched.step()
+        self.step += 1
+        if self.eval_due():
+            metrics.update(self.evaluate_heldout())
+        self.logger.log(self.step, metrics)
+        self.logger.samples(self.step, [episode_record(ep) for ep in episodes[: self.cfg.log.sample_episodes]])
+        return metrics
+
+    # -- 6. held-out evaluation ----------------------------------------------------------------------
+    def eval_due(self) -> bool:
+        """Every ``eval.every`` steps, and after the run's last step."""
+        every = self.cfg.eval.every
+        return bool(every and self.eval_sets) and (self.step % every == 0 or self.step == self.cfg.run.steps)
+
+    def evaluate_heldout(self) -> dict[str, float]:
+        """avg@k, pass@k (and the task kind's extra metrics, e.g. QA's f1) of every ``task.eval``
+        set at the current weights, as ``eval/<dataset>/<metric>`` and ``eval/macro/<metric>``.
+
+        The same sampling seed at every evaluation (common random numbers: a change between two
+        evaluations is the weights', not the draw's).  Every rank evaluates every set (same seed,
+        same result; under FSDP with the full weights gathered); rank 0 logs.
+        """
+        from srpo.evaluation import evaluate
+
+        e = self.cfg.eval
+        with torch.no_grad(), self.autocast(), self.backend.gathered(self.policies):
+            results = evaluate(self.policies, self.workflow, self.role_specs, self.eval_sets, k=e.k,
+                               temperature=e.temperature, seed=1000 + self.cfg.run.seed,
+                               max_batch=self.cfg.train.rollout_batch, progress=self.progress,
+                               workflows=self.eval_workflows, engine=self.engine)
+        out = {}
+        for name, d in results["datasets"].items():
+            for key, value in d.items():
+                if isinstance(value, (int, float)) and not key.endswith("_stderr") and key != "n":
+                    out[f"eval/{name}/{key}"] = float(value)
+        for key, value in results["macro"].items():
+            out[f"eval/macro/{key}"] = float(value)
+        return out
+
+    def _is_new_best(self, metrics: dict[str, Any]) -> bool:
+        value = metrics.get(self.BEST_METRIC.format(k=self.cfg.eval.k))
+        return value is not None and (self.best is None or value > self.best["value"])
+
+    def _name_best(self, metrics: dict[str, Any]) -> None:
+        """Record the step just checkpointed as the best so far in ``checkpoints/best.json`` (rank 0;
+        checkpoint pruning keeps the checkpoint it names)."""
+        key = self.BEST_METRIC.format(k=self.cfg.eval.k)
+        self.best = {"step": self.step, "checkpoint": f"step_{self.step:07d}", "metric": key, "value": metrics[key]}
+        if self.backend.rank == 0:
+            write_text_atomic(self.run_dir / "checkpoints" / BEST_FILE, json.dumps(self.best, indent=1))
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def fit(self, steps: int | None = None, on_step=None) -> list[dict[str, Any]]:
+        total = steps if steps is not None else self.cfg.run.steps
+        if not self.claimed:
+            state.claim_fresh(self)
+        history, saved_at, bar = [], None, None
+        if self.progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+        try:
+            while self.step < total:
+                metrics = self.train_step()
+                history.append(metrics)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{metrics['reward']:.3f}", acc=f"{metrics['accuracy']:.3f}",
+                                    step_s=f"{metrics['time/step_s']:.1f}", K=f"{metrics['active_set_size/mean']:.2f}")
+                if on_step is not None:
+                    on_step(self, metrics)
+                every = self.cfg.checkpoint.every
+                best = self._is_new_best(metrics)
+                if best or (every and self.step % every == 0):
+                    self.save()
+                    saved_at = self.step
+                if best:
+                    self._name_best(metrics)
+                if self.updater.nonfinite_in_a_row >= self.cfg.train.max_nonfinite_steps:
+                    where = self.save()
+                    raise TrainingStopped(
+                        f"{self.updater.nonfinite_in_a_row} consecutive steps had NaN/Inf loss or gradients; stopped "
+                        f"at step {self.step} (checkpoint: {where}). Lower train.lr or check the reward and inputs.")
+            if saved_at != self.step:
+                self.save()  # the last step, when neither the cadence nor a best evaluation saved it
+        finally:
+            if bar is not None:
+                bar.close()
+            self.logger.close()
+        return history

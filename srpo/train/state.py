@@ -1,0 +1,185 @@
+"""A run's state on disk: claiming a fresh folder, saving a checkpoint, resuming from one.
+
+What a checkpoint holds (written by :func:`srpo.checkpoint.save_checkpoint`, verified by its
+manifest): the weights in HF format, the optimizers (or, under a sharded backend, their shards in
+``dcp/``), the schedulers, every RNG stream (Python, NumPy, torch, each rank's sampling
+generator), the data position and the loop's counters — everything a resumed run needs to
+continue bit-identically (one intra-op thread).
+
+The functions take the :class:`~srpo.train.loop.Trainer` whose state they save or restore; they
+are collectives under data parallelism (every rank calls them together).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from srpo.checkpoint import (CheckpointError, CorruptCheckpoint, candidates, load_checkpoint, new_temporary, rng_state,
+                             save_checkpoint, set_rng_state)
+from srpo.run_dir import RunDirError, clear_previous_run, previous_run
+
+log = logging.getLogger(__name__)
+
+
+class TrainingStopped(RuntimeError):
+    """Training stopped on purpose (e.g. too many non-finite steps); a checkpoint was written."""
+
+
+def on_rank0_agreed(backend, action, failure: Exception):
+    """Run ``action`` on rank 0 and return its result there; if it raises, every rank raises —
+    rank 0 its own error, the others ``failure`` — so that none waits in a collective."""
+    error, result = None, None
+    if backend.rank == 0:
+        try:
+            result = action()
+        except Exception as err:  # re-raised below, after every rank has heard of it
+            error = err
+    if backend.sum_int(int(error is not None)):
+        raise error or failure
+    return result
+
+
+def claim_fresh(trainer) -> None:
+    """Start a new run in the folder: refuse another run's artefacts unless overwriting."""
+    run_dir = trainer.run_dir
+
+    def claim():
+        found = previous_run(run_dir)
+        if found and not trainer.overwrite:
+            raise RunDirError(
+                f"{run_dir} holds a previous run ({', '.join(found)}); continue it with --resume, "
+                f"replace it with --overwrite, or choose another run.output_dir")
+        if found:
+            clear_previous_run(run_dir)
+            log.warning("--overwrite: deleted the previous run's %s in %s", ", ".join(found), run_dir)
+    on_rank0_agreed(trainer.backend, claim, RunDirError(f"rank 0 refused the run folder {run_dir}; see its message"))
+    trainer.claimed = True
+
+
+def trainer_state(trainer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(tensors, plain)``: tensors for ``torch.load(weights_only=True)``, the rest as JSON.
+
+    A collective under data parallelism (each rank's sampling generator is gathered); the
+    optimizer state is left out under a sharded backend, which saves it itself."""
+    rng_plain, rng_tensors = rng_state()  # Python, NumPy, torch; the sampling generator per rank below
+    rng_plain["rollout_by_rank"] = trainer.backend.all_gather_object(trainer.rollout_generator.get_state().tolist())
+    sharded = trainer.backend.sharded_optimizer_state
+    tensors = {
+        "optimizers": {} if sharded else {pid: o.state_dict() for pid, o in trainer.optimizers.items()},
+        "schedulers": {pid: s.state_dict() for pid, s in trainer.schedulers.items()},
+        "rng": rng_tensors,
+    }
+    plain = {
+        "step": trainer.step,
+        "data": {"epoch": trainer.data_epoch, "pos": trainer.data_pos, "order": trainer.data_order},
+        "versions": dict(trainer.policies.versions),
+        "rng": rng_plain,
+        "totals": dict(trainer.totals),
+        "nonfinite_in_a_row": trainer.updater.nonfinite_in_a_row,
+        "best": trainer.best,
+    }
+    return tensors, plain
+
+
+def weights_are_finite(trainer) -> bool:
+    """All ranks agree (under a sharded backend each checks its own shards)."""
+    local = all(bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())
+                for pid in trainer.policies.policy_ids for p in trainer.policies.parameters(pid))
+    return trainer.backend.sum_int(int(not local)) == 0
+
+
+def save(trainer) -> Path | None:
+    """Checkpoint the current step (rank 0 writes; a sharded backend's ranks write their shards
+    first); never writes NaN/Inf weights."""
+    if not weights_are_finite(trainer):  # every rank checks, so every rank stops together
+        raise TrainingStopped(
+            f"the weights hold NaN/Inf after step {trainer.step}; no checkpoint was written (the last one "
+            f"written is still in {trainer.run_dir / 'checkpoints'}). Lower train.lr or check the reward and inputs.")
+    tensors, plain = trainer_state(trainer)
+    backend, cfg = trainer.backend, trainer.cfg
+
+    def write(tmp=None, state_dicts=None):
+        return save_checkpoint(trainer.run_dir, trainer.step, trainer.policies, tensors, plain, cfg.to_dict(),
+                               keep=cfg.checkpoint.keep, tmp=tmp, state_dicts=state_dicts)
+
+    if not backend.sharded_optimizer_state:
+        return write() if backend.rank == 0 else None
+    # Sharded: every rank writes its shards into one temporary folder, the full weights are
+    # gathered to rank 0, and rank 0 completes the checkpoint.
+    tmp = Path(backend.broadcast_object(str(new_temporary(trainer.run_dir, trainer.step)) if backend.rank == 0 else None))
+    backend.save_sharded(tmp, trainer.policies, trainer.optimizers)
+    state_dicts = backend.full_state_dicts(trainer.policies)
+    return on_rank0_agreed(backend, lambda: write(tmp, state_dicts),
+                           CheckpointError("rank 0 could not write the checkpoint; see its message"))
+
+
+def resume(trainer, path: Path | None = None) -> bool:
+    """Continue from ``path`` or the run's newest complete checkpoint; False when there is none.
+
+    Each checkpoint is verified against its manifest; a damaged or unsafe one is skipped with a
+    warning naming what was wrong, and the one before it is tried.  The logs are cut back to the
+    resumed step (to step 0 when there is no checkpoint).
+    """
+    problems = []
+    sharded = trainer.backend.sharded_optimizer_state
+    for candidate in [Path(path)] if path is not None else candidates(trainer.run_dir):
+        try:
+            tensors, plain = load_checkpoint(candidate, trainer.policies, trainer.cfg.to_dict(), load_weights=not sharded)
+            if sharded:
+                if not (candidate / "dcp").is_dir():
+                    raise CorruptCheckpoint(f"{candidate}: no dcp/ folder (not written with train.parallel: fsdp)")
+                trainer.backend.load_sharded(candidate, trainer.policies, trainer.optimizers)
+        except CorruptCheckpoint as err:
+            problems.append(str(err))
+            log.warning("skipping checkpoint %s: %s", candidate.name, err)
+            continue
+        restore(trainer, tensors, plain)
+        trainer.engine.update_weights()  # a rollout engine samples from the resumed weights
+        if problems:
+            log.warning("resumed from the older checkpoint %s", candidate.name)
+        trainer.logger.truncate_after(trainer.step)
+        trainer.claimed = True
+        log.info("resumed from %s at step %d", candidate, trainer.step)
+        return True
+    if problems:
+        raise CheckpointError("no usable checkpoint to resume from:\n  " + "\n  ".join(problems))
+    trainer.logger.truncate_after(0)  # a run killed before its first checkpoint starts over cleanly
+    trainer.claimed = True
+    return False
+
+
+def restore(trainer, tensors: dict[str, Any], plain: dict[str, Any]) -> None:
+    """Put a checkpoint's state back into ``trainer`` (weights are loaded by the caller)."""
+    backend, cfg = trainer.backend, trainer.cfg
+    trainer.step = plain["step"]
+    trainer.data_epoch, trainer.data_pos, trainer.data_order = (plain["data"][k] for k in ("epoch", "pos", "order"))
+    if not backend.sharded_optimizer_state:
+        for pid, o in trainer.optimizers.items():
+            o.load_state_dict(tensors["optimizers"][pid])
+    for pid, s in trainer.schedulers.items():
+        s.load_state_dict(tensors["schedulers"][pid])
+    trainer.policies.versions.update(plain["versions"])
+    set_rng_state(plain["rng"], tensors["rng"])
+    by_rank = plain["rng"]["rollout_by_rank"]
+    if len(by_rank) == backend.world:
+        trainer.rollout_generator.set_state(torch.tensor(by_rank[backend.rank], dtype=torch.uint8))
+    else:  # another number of processes: each rank's sampling cannot continue its old stream
+        trainer.rollout_generator.manual_seed(cfg.run.seed * 1000 + backend.rank + 7919 * trainer.step)
+        if backend.rank == 0:
+            log.warning("resumed on %d process(es) from a checkpoint of %d: sampling continues from new "
+                        "per-rank seeds (the run is not bit-identical to an uninterrupted one)",
+                        backend.world, len(by_rank))
+    trainer.totals.clear()
+    trainer.totals.update(plain["totals"])
+    trainer.updater.nonfinite_in_a_row = plain["nonfinite_in_a_row"]
+    trainer.best = plain.get("best")
+
+
+def make_totals() -> defaultdict:
+    """The run's running counters (tokens, correct answers, skipped steps ...)."""
+    return defaultdict(float)

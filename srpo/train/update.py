@@ -1,0 +1,256 @@
+"""The update of one training step: teacher-forced log-probs, the method's loss over event-atomic
+mini-batches, and one optimizer step per policy per mini-batch.
+
+``epochs`` × ``minibatches`` optimizer steps per rollout; each mini-batch's loss is divided by its
+*global* unit count (all ranks), so micro-batches and ranks add up to the gradient of the whole
+mini-batch; NaN/Inf in the loss or a gradient skips the step without touching the weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from srpo.events import Event, collate, global_normalizer, split_minibatches
+from srpo.objective import policy_loss
+from srpo.objective.metrics import MetricAccumulator, Metrics, gradient_share_by_k
+from srpo.parallel.base import global_norm_value
+from srpo.train.diagnostics import RolloutMismatch, role_lengths, role_stats
+
+log = logging.getLogger(__name__)
+
+
+class PolicyUpdate:
+    """Optimises the policies on a step's advantage-assigned events.
+
+    Args:
+        cfg: the run's config (``train``, ``method``, ``model`` sections are read).
+        method: the :class:`~srpo.methods.Method` (its loss name).
+        policies: the :class:`~srpo.policies.layouts.PolicySet`.
+        backend: the parallel backend (collectives, gradient reduction, idle passes).
+        optimizers: policy id → optimizer.
+        autocast: a factory of the run's autocast context.
+        totals: the run's running counters (``nonfinite_steps`` is counted here).
+    """
+
+    def __init__(self, cfg, method, policies, backend, optimizers, autocast, totals):
+        self.cfg, self.method, self.policies, self.backend = cfg, method, policies, backend
+        self.optimizers, self.autocast, self.totals = optimizers, autocast, totals
+        self.nonfinite_in_a_row = 0
+        self.reuse_forward_as_old = True  # see on_policy_single_step; tests turn it off to compare
+
+    # -- which forwards the update needs -------------------------------------------------------------
+    @property
+    def on_policy_single_step(self) -> bool:
+        """One optimizer step per rollout: q_old is exactly the model the update's forward runs
+        (not with LoRA dropout on: a forward with dropout is not q_old)."""
+        t = self.cfg.train
+        return (self.reuse_forward_as_old and t.old_logprobs == "recompute" and t.epochs == 1 and t.minibatches == 1
+                and not self.adapter_dropout)
+
+    @property
+    def adapter_dropout(self) -> bool:
+        """LoRA dropout (``model.lora.dropout`` > 0) acts in the update's forward: the models are in
+        training mode there and in eval mode everywhere else (sampling, q_old, the reference)."""
+        return self.cfg.model.layout == "lora" and self.cfg.model.lora.dropout > 0
+
+    def events_to_forward(self, events: list[Event]) -> list[Event]:
+        """The events whose log-probs the update needs: all of them, or (``train.skip_zero_advantage``,
+        no KL penalty) those with a non-zero advantage — the others add exactly nothing to the gradient."""
+        if self.cfg.train.skip_zero_advantage and not self.cfg.method.kl_coef > 0:
+            return [e for e in events if e.advantage != 0]
+        return events
+
+    @contextmanager
+    def _training_mode(self, on: bool):
+        if not on:
+            yield
+            return
+        modules = self.policies.modules()
+        for m in modules:
+            m.train()
+        try:
+            yield
+        finally:
+            for m in modules:
+                m.eval()
+
+    # -- log-probs -----------------------------------------------------------------------------------
+    def logprobs(self, batch, *, grad: bool, entropy: bool = False):
+        """(M, T) log-probs of the batch's completions, each row under its own policy (and (M, T)
+        entropies with ``entropy``).  Under a backend that needs idle passes, every rank runs every
+        policy, in one order: its own rows, or an idle pass where it has none."""
+        M, T = batch.action_mask.shape
+        lp = torch.zeros(M, T, device=batch.input_ids.device)
+        ent = torch.zeros(M, T, device=batch.input_ids.device)
+        with torch.set_grad_enabled(grad), self.autocast(), self._training_mode(grad and self.adapter_dropout):
+            present = set(batch.policy_ids)
+            every = self.policies.policy_ids if self.backend.needs_idle_pass else sorted(present)
+            for pid in every:
+                if pid not in present:  # another rank may forward this policy: join its collectives
+                    lp = lp + self.backend.idle_pass(self.policies, [pid], grad=grad)
+                    continue
+                rows = batch.rows_of_policy(pid).to(lp.device)
+                out = self.policies.logprobs(
+                    pid, batch.input_ids[rows], batch.attention_mask[rows], batch.prompt_length,
+                    action_mask=batch.action_mask[rows], temperature=batch.temperatures[rows],
+                    chunk_tokens=self.cfg.train.chunk_tokens, return_entropy=entropy,
+                    checkpoint_layers=grad and self.cfg.train.activation_checkpointing)
+                if entropy:
+                    out, e = out
+                    ent = ent.index_put((rows,), e)
+                lp = lp.index_put((rows,), out)  # out of place: keeps the graph of every policy
+        return (lp, ent) if entropy else lp
+
+    def reference_logprobs(self, batch):
+        """(M, T) reference log-probs, under the same autocast as the policy's: a KL term between
+        a bf16 forward and a float32 one would measure the precision gap, not the policy's drift."""
+        M, T = batch.action_mask.shape
+        ref = torch.zeros(M, T, device=batch.input_ids.device)
+        with self.autocast():
+            for pid in sorted(set(batch.policy_ids)):
+                rows = batch.rows_of_policy(pid).to(ref.device)
+                ref[rows] = self.policies.reference_logprobs(
+                    pid, batch.input_ids[rows], batch.attention_mask[rows], batch.prompt_length,
+                    action_mask=batch.action_mask[rows], temperature=batch.temperatures[rows],
+                    chunk_tokens=self.cfg.train.chunk_tokens)
+        return ref
+
+    def idle_pass(self, *, grad: bool) -> None:
+        """Join every policy's collectives with a zero-contribution pass when this rank has nothing
+        to forward (other ranks may have; a skipped collective would hang them)."""
+        if not self.backend.needs_idle_pass:
+            return
+        with self.autocast():
+            idle = self.backend.idle_pass(self.policies, self.policies.policy_ids, grad=grad)
+        if grad:
+            idle.backward()
+
+    def recompute_old_logprobs(self, events: list[Event], mismatch: RolloutMismatch) -> None:
+        """Set each member's q_old with a no-grad pass (its gap to the behaviour log-probs goes to
+        ``mismatch``)."""
+        chunks, _ = split_minibatches(events, max(1, self.cfg.train.microbatches), "srpo")
+        for part in chunks:
+            if not part:
+                self.idle_pass(grad=False)
+                continue
+            batch = collate(part, self.policies.tokenizer.pad_token_id).to(self.cfg.run.device)
+            old = self.logprobs(batch, grad=False).cpu()
+            mismatch.add(batch, old)
+            row = 0
+            for e in part:
+                for m in e.members:
+                    m.old_logprobs = old[row, :len(m.completion_ids)].tolist()
+                    row += 1
+
+    # -- the update ----------------------------------------------------------------------------------
+    def run(self, events: list[Event], mismatch: RolloutMismatch) -> dict[str, Any]:
+        """Optimise on this rank's events (already advantage-assigned); return step metrics.
+
+        Every rank must call it with the same number of mini-batches; an empty one still takes
+        part in the gradient sum.
+        """
+        t = self.cfg.train
+        acc = MetricAccumulator()  # the loss's metrics (prefixed objective/ below)
+        roles = MetricAccumulator()  # per-role lengths, entropy and KL (role/<role>/...)
+        roles.add(role_lengths(events))
+        counts = {"nonfinite": 0, "zero_advantage": 0}
+        grad_norms: dict[str, float] = {}
+        for epoch in range(t.epochs):
+            minibatches, _ = split_minibatches(events, t.minibatches, self.method.loss)
+            for mb in minibatches:
+                total_loss = self._minibatch(mb, epoch, acc, roles, mismatch, counts)
+                counts["nonfinite"] += self._optimizer_step(total_loss, grad_norms)
+                acc.end_optimizer_step()
+                step_loss = Metrics()
+                step_loss.per_step("loss", total_loss)  # this rank's part: all_reduce sums the parts
+                acc.add(step_loss)
+        acc.all_reduce()
+        roles.all_reduce()
+        out = {(k if k.startswith("by_k/") else f"objective/{k}"): v for k, v in acc.result().items()}
+        out["loss"] = out.pop("objective/loss", 0.0)
+        out.update(roles.result())
+        out.update({f"grad_norm/{pid}": v for pid, v in grad_norms.items()})
+        if grad_norms:
+            out["grad_norm/total"] = math.sqrt(sum(v * v for v in grad_norms.values()))
+        out["nonfinite_skipped"] = counts["nonfinite"]
+        # Events per pass, summed over ranks.
+        out["update/zero_advantage_skipped"] = self.backend.sum_int(counts["zero_advantage"]) / max(t.epochs, 1)
+        return out
+
+    def _minibatch(self, mb: list[Event], epoch: int, acc, roles, mismatch, counts) -> torch.Tensor:
+        """Forward and backward every micro-batch of one mini-batch; returns this rank's loss."""
+        cfg, t = self.cfg, self.cfg.train
+        device = cfg.run.device
+        normalizer = max(self.backend.sum_int(global_normalizer(mb, self.method.loss)), 1)
+        micro, _ = split_minibatches(mb, t.microbatches, self.method.loss)
+        total_loss = torch.zeros(())
+        for part in micro:
+            # Filtered after the normaliser above was counted: skipped events' units still count,
+            # so the gradient is the one of the whole mini-batch.
+            kept = self.events_to_forward(part)
+            counts["zero_advantage"] += len(part) - len(kept)
+            if not kept:
+                self.idle_pass(grad=True)
+                continue
+            batch = collate(kept, self.policies.tokenizer.pad_token_id).to(device)
+            want_entropy = epoch == 0
+            lp, ent = self.logprobs(batch, grad=True, entropy=True) if want_entropy else \
+                (self.logprobs(batch, grad=True), None)
+            ref = self.reference_logprobs(batch) if cfg.method.kl_coef > 0 else None
+            # A single optimizer step per rollout (strictly on-policy): q_old is the current model,
+            # whose log-probs this very forward computes; reuse them rather than running the same
+            # forward twice (bit-identical to a recompute pass).
+            old = lp.detach() if self.on_policy_single_step else batch.old_logprobs.to(lp.device)
+            if self.on_policy_single_step:
+                mismatch.add(batch, old)
+            loss, metrics = policy_loss(
+                self.method.loss, logprobs=lp, old_logprobs=old, mask=batch.action_mask,
+                event_index=batch.event_index, advantages=batch.advantages.to(device),
+                clip_eps=cfg.method.clip_eps, clip_eps_high=cfg.method.clip_eps_high,
+                set_reduction=cfg.method.set_reduction, member_reduction=cfg.method.member_reduction,
+                normalizer=normalizer, ref_logprobs=ref, kl_coef=cfg.method.kl_coef,
+                behaviour_logprobs=batch.behaviour_logprobs.to(lp.device) if t.tis_cap else None,
+                tis_cap=t.tis_cap or None, member_set_sizes=batch.member_set_sizes.to(device))
+            metrics.update_from(gradient_share_by_k(loss, lp, batch.member_set_sizes.to(device)))
+            loss.backward()
+            total_loss += loss.detach().cpu()
+            acc.add(metrics)
+            if want_entropy:
+                roles.add(role_stats(batch, lp.detach(), ent, ref))
+        return total_loss
+
+    def _optimizer_step(self, loss: torch.Tensor, grad_norms: dict[str, float]) -> int:
+        """Sum gradients across ranks, check them, clip and step each policy; 1 if skipped."""
+        for pid in self.policies.policy_ids:
+            params = self.policies.parameters(pid)
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self.backend.reduce_gradients(params)
+        # Clip first: the total norm is non-finite exactly when some gradient is (or the norm
+        # overflows float32, which counts as exploded too) — no separate pass over every gradient.
+        # A skipped step throws the clipped gradients away.
+        max_norm = self.cfg.train.max_grad_norm if self.cfg.train.max_grad_norm > 0 else float("inf")
+        norms = {pid: global_norm_value(torch.nn.utils.clip_grad_norm_(self.policies.parameters(pid), max_norm))
+                 for pid in self.policies.policy_ids}
+        finite = bool(torch.isfinite(loss)) and all(bool(torch.isfinite(n)) for n in norms.values())
+        finite = self.backend.sum_int(int(not finite)) == 0
+        if not finite:
+            for opt in self.optimizers.values():
+                opt.zero_grad(set_to_none=True)
+            self.nonfinite_in_a_row += 1
+            self.totals["nonfinite_steps"] += 1
+            log.warning("non-finite loss or gradient: optimizer step skipped (%d in a row)", self.nonfinite_in_a_row)
+            return 1
+        self.nonfinite_in_a_row = 0
+        for pid, opt in self.optimizers.items():
+            grad_norms[pid] = float(norms[pid])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            self.policies.bump_version(pid)
+        return 0
