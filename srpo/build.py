@@ -120,8 +120,16 @@ def policies(cfg: Config, roles: list[str]):
     if cfg.model.init_from:  # a warm start (srpo sft), same layout
         built.load_pretrained_weights(Path(cfg.model.init_from))
     for module in built.modules():
-        module.to(cfg.run.device)
+        module.to(device(cfg))
     return built
+
+
+def device(cfg: Config):
+    """This process's device for ``run.device`` (``cuda`` is ``cuda:LOCAL_RANK`` under torchrun;
+    :func:`srpo.parallel.devices.rank_device`)."""
+    from srpo.parallel.devices import rank_device
+
+    return rank_device(cfg.run.device)
 
 
 @dataclass
@@ -301,7 +309,7 @@ def backend(cfg: Config):
     if cfg.train.parallel == "fsdp":
         from srpo.parallel.fsdp import FullyShardedDataParallel
 
-        return FullyShardedDataParallel()
+        return FullyShardedDataParallel(cfg.run.device, bf16_compute=cfg.model.autocast_bf16)
     ddp = DataParallel()
     return ddp if ddp.enabled else SingleProcess()
 
@@ -312,12 +320,23 @@ def engine(cfg: Config, policies_):
         from srpo.rollout.vllm import EngineSettings, VLLMRollout
 
         max_len = cfg.rollout.max_model_len or cfg.workflow.max_prompt_tokens + cfg.workflow.max_new_tokens
-        return VLLMRollout(policies_, cfg.model.name, dtype=cfg.model.dtype, seed=cfg.run.seed,
+        return VLLMRollout(policies_, cfg.model.name, dtype=engine_dtype(cfg), seed=cfg.run.seed,
                            settings=EngineSettings(cfg.rollout.gpu_memory_utilization, max_len,
-                                                   max_lora_rank=cfg.model.lora.r))
+                                                   max_lora_rank=cfg.model.lora.r,
+                                                   seed_requests=cfg.rollout.seed_requests))
     from srpo.rollout.builtin import BuiltinEngine
 
     return BuiltinEngine(policies_)
+
+
+def engine_dtype(cfg: Config) -> str:
+    """``rollout.dtype``, with ``auto`` resolved: bfloat16 on CUDA when the trainer computes in bf16
+    (``model.autocast_bf16``, or bf16 weights), else the weights' dtype."""
+    if cfg.rollout.dtype != "auto":
+        return cfg.rollout.dtype
+    if cfg.run.device != "cpu" and (cfg.model.autocast_bf16 or cfg.model.dtype == "bfloat16"):
+        return "bfloat16"
+    return cfg.model.dtype
 
 
 def optimizer(cfg: Config, params):
@@ -346,6 +365,15 @@ def autocast(cfg: Config):
 
     device_type = "cuda" if cfg.run.device.startswith("cuda") else "cpu"
     return torch.autocast(device_type, dtype=torch.bfloat16, enabled=cfg.model.autocast_bf16)
+
+
+def runtime(cfg: Config, team_: Team, engine_, generator, reward_fn=None):
+    """The workflow runtime of a training run: episodes of ``team_`` sampled through ``engine_``."""
+    from srpo.workflows.runtime import Runtime as _Runtime
+
+    return _Runtime(team_.policies, team_.role_specs, reward_fn or reward(cfg), generator=generator,
+                    max_batch=cfg.train.rollout_batch, max_prompt_tokens=cfg.workflow.max_prompt_tokens,
+                    engine=engine_)
 
 
 def metrics_logger(cfg: Config, rank: int):

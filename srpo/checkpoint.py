@@ -57,12 +57,17 @@ class CorruptCheckpoint(CheckpointError):
 
 
 def rng_state() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """The global RNG states as ``(plain JSON, tensors)``: Python and NumPy in JSON, torch's as a tensor."""
+    """The global RNG states as ``(plain JSON, tensors)``: Python and NumPy in JSON, torch's CPU
+    state and — where CUDA is initialised — every GPU's state as tensors (LoRA dropout and any
+    other draw on a GPU use them; without them a resumed run is not bit-identical)."""
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
     plain = {"python": [version, list(internal), gauss],
              "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
-    return plain, {"torch": torch.get_rng_state()}
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        tensors["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
+    return plain, tensors
 
 
 def set_rng_state(plain: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
@@ -71,6 +76,16 @@ def set_rng_state(plain: dict[str, Any], tensors: dict[str, torch.Tensor]) -> No
     name, keys, pos, has_gauss, cached = plain["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(tensors["torch"])
+    if "cuda" in tensors and torch.cuda.is_available():
+        states = list(tensors["cuda"])
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)
+        else:  # another number of GPUs: the per-device streams cannot continue as they were
+            import logging
+
+            logging.getLogger(__name__).warning("checkpoint holds %d GPU RNG states, this machine has %d GPUs: "
+                                                "GPU draws restart from the seed", len(states),
+                                                torch.cuda.device_count())
 
 
 # ------------------------------------------------------------------------------------ writing

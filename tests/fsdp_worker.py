@@ -1,6 +1,7 @@
 """Ranks of the FSDP tests (run by tests/test_fsdp.py, under torchrun or alone).
 
     fsdp_worker.py update OUT RUN_DIR PARALLEL   one update on a fixed global batch (as dp_worker.py)
+    fsdp_worker.py update_by_policy OUT RUN_DIR PARALLEL   the same, separate layout, one policy's events per rank
     fsdp_worker.py resume OUT RUN_DIR            resume an FSDP run and dump the restored state
 
 Rank 0 writes the full (gathered) weights — and, for ``resume``, the full optimizer state and
@@ -62,6 +63,36 @@ def update(out_path: str, run_dir: str, parallel: str) -> None:
     dist.close()
 
 
+def update_by_policy(out_path: str, run_dir: str, parallel: str) -> None:
+    """The ``separate`` layout (one model per role of solver_verifier): under two ranks, rank 0
+    updates on the solver's events only and rank 1 on the verifier's — each rank holds events of
+    one policy, so each runs idle passes for the other, and both must issue FSDP's collectives in
+    one order.  One process updates on every event."""
+    start()
+    cfg = load_config(None, [
+        f"run.output_dir={run_dir}", "model.name=tiny-llama", "model.layout=separate", "workflow.name=solver_verifier",
+        "workflow.options={rounds: 1}", "workflow.max_new_tokens=8", "train.tasks_per_step=3", "train.group_size=3",
+        "train.optimizer=sgd", "train.lr=0.5", "task.train.n=6", "log.tensorboard=false",
+        "train.skip_zero_advantage=false", f"train.parallel={parallel}"])
+    trainer = Trainer(cfg, progress=False, reward_fn=varied_reward)
+    dist = trainer.backend
+    trainer.rollout_generator.manual_seed(1234)  # the same global batch on every rank
+    episodes = trainer.rollout(trainer.train_tasks[:3])
+    events, _ = validate_events([e for ep in episodes for e in ep.events])
+    events = assign_advantages(events, cfg.method.name)
+    policies = sorted(trainer.policies.policy_ids)
+    mine = events if dist.world == 1 else [e for e in events if e.members[0].policy_id == policies[dist.rank]]
+    trainer.update(mine)
+    weights = {pid: (dict(trainer.backend.full_state_dicts(trainer.policies)[pid])
+                     if trainer.backend.sharded_optimizer_state else
+                     {k: v.detach().clone() for k, v in trainer.policies.model_for(pid).state_dict().items()})
+               for pid in policies}
+    if dist.rank == 0:
+        torch.save(weights, out_path)
+    trainer.close()
+    dist.close()
+
+
 def resume(out_path: str, run_dir: str) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
@@ -87,5 +118,7 @@ def resume_overrides(run_dir: str, steps: int = 2) -> list[str]:
 if __name__ == "__main__":
     if sys.argv[1] == "update":
         update(*sys.argv[2:5])
+    elif sys.argv[1] == "update_by_policy":
+        update_by_policy(*sys.argv[2:5])
     else:
         resume(*sys.argv[2:4])

@@ -120,3 +120,33 @@ def test_a_team_trains_a_step_on_the_vllm_engine(tmp_path):
         assert 0 <= metrics["eval/arith-heldout/avg@2"] <= 1  # held-out evaluation ran on the engine
     finally:
         trainer.close()
+
+
+def test_sync_streams_buckets_and_forgets_stale_prompt_blocks():
+    """A prompt longer than a KV block is cached by the engine; after an optimizer step and a sync
+    the next call must not reuse blocks computed with the old weights (the prefix cache is reset),
+    and the weights travel in buckets no larger than the bucket size (or one tensor, if larger)."""
+    from dataclasses import replace
+
+    policies = build_policies("shared", "smollm2-135m", ["a"])
+    bucket = 32 << 20
+    engine = VLLMRollout(policies, "smollm2-135m", dtype="float32", seed=0, settings=replace(SETTINGS, bucket_bytes=bucket))
+    try:
+        tok = policies.tokenizer
+        long_prompt = tok("The quick brown fox jumps over the lazy dog. " * 40)["input_ids"][:320]
+        requests = [GenerationRequest("a", long_prompt, SamplingParams(temperature=1.0, max_new_tokens=8))
+                    for _ in range(4)]
+        first = engine.generate(requests, torch.Generator().manual_seed(0))  # the prompt's blocks now cached
+        assert _max_gap(policies, requests, first) < TOL
+        _optimizer_step(policies, requests, first)
+        engine.update_weights()
+        fresh = engine.generate(requests, torch.Generator().manual_seed(1))
+        assert _max_gap(policies, requests, fresh) < TOL, "stale KV of the old weights reused after the sync"
+        stats = engine.engines["shared"].sync_stats
+        largest = max(t.numel() * t.element_size() for t in policies.model.state_dict().values())
+        assert stats["syncs"] == 2 and stats["buckets"] >= 2 * 10  # the 135M model in float32: > 10 buckets a sync
+        assert stats["max_bucket_bytes"] <= max(bucket, largest) + (1 << 20)
+        print(f"sync: {stats['buckets'] // stats['syncs']} buckets a sync, largest bucket file "
+              f"{stats['max_bucket_bytes'] / 2**20:.1f} MiB (bucket size {bucket >> 20} MiB)")
+    finally:
+        engine.close()

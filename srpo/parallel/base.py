@@ -140,9 +140,34 @@ class DataParallel(SingleProcess):
         torch.distributed.broadcast_object_list(holder, src=src)
         return holder[0]
 
+    #: Gradients are summed in flat buckets of at most this many bytes (one collective per bucket,
+    #: as torch DDP's 25 MiB buckets), not one collective per tensor.
+    BUCKET_BYTES = 25 << 20
+
     def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        if not self.enabled:
+            return
+        bucket: list[torch.Tensor] = []
+        size = 0
         for p in params:
-            self.sum_(p.grad)
+            grad = p.grad
+            if bucket and (size + grad.numel() * grad.element_size() > self.BUCKET_BYTES
+                           or grad.dtype != bucket[0].dtype or grad.device != bucket[0].device):
+                self._sum_bucket(bucket)
+                bucket, size = [], 0
+            bucket.append(grad)
+            size += grad.numel() * grad.element_size()
+        if bucket:
+            self._sum_bucket(bucket)
+
+    def _sum_bucket(self, grads: list[torch.Tensor]) -> None:
+        """One all-reduce over ``grads`` flattened into one buffer, then copied back."""
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.sum_(flat)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     def close(self) -> None:
         """Wait for every rank, then tear the process group down.

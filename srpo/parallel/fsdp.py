@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from srpo.parallel.base import DataParallel
+from srpo.parallel.devices import device_type, process_group_backend
 from srpo.policies.activation_checkpointing import decoder_layers
 from srpo.policies.logprobs import completion_logprobs
 
@@ -40,36 +41,50 @@ class LogProbModule(nn.Module):
 
     def forward(self, input_ids, attention_mask, prompt_length, action_mask=None, temperature=1.0,
                 chunk_tokens: int = 1024, return_entropy: bool = False, checkpoint_layers: bool = False):
+        # One backbone call per pass, whatever the batch: each call all-gathers every layer, and
+        # ranks must issue the same collectives — with prompt sharing and length groups the number
+        # of calls depends on the rank's rows (a rank with one row, or an idle pass, would make
+        # fewer calls than its peers and pair one layer's all-gather with another's).
         return completion_logprobs(self.model, input_ids, attention_mask, prompt_length, action_mask=action_mask,
                                    temperature=temperature, chunk_tokens=chunk_tokens, return_entropy=return_entropy,
-                                   checkpoint_layers=checkpoint_layers)
+                                   checkpoint_layers=checkpoint_layers, share_prompts=False, max_length_groups=1)
 
 
-def ensure_process_group() -> None:
-    """FSDP needs a process group; a single process (no torchrun) gets a one-rank gloo group."""
+def ensure_process_group(run_device: str = "cpu") -> None:
+    """FSDP needs a process group; a single process (no torchrun) gets a one-rank group on the
+    backend of ``run.device`` (gloo for a CPU run, also on a machine with GPUs)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RuntimeError("WORLD_SIZE > 1 but no process group: launch with torchrun")
-    store = dist.HashStore()
-    backend = "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    dist.init_process_group(process_group_backend(run_device), store=dist.HashStore(), rank=0, world_size=1)
 
 
-def shard(model: nn.Module) -> LogProbModule:
-    """Shard ``model`` in place (per decoder layer, then the root) and return its root unit."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+def shard(model: nn.Module, run_device: str = "cpu", bf16_compute: bool = False) -> LogProbModule:
+    """Shard ``model`` in place (per decoder layer, then the root) and return its root unit.
 
-    ensure_process_group()
+    The mesh is built for ``run.device``'s device type — ``fully_shard`` without one takes the CUDA
+    mesh whenever CUDA is available, whatever the run asked for.  ``bf16_compute`` (CUDA only): a
+    mixed-precision policy that gathers parameters in bfloat16 and reduces gradients in float32
+    (the float32 shards stay the master weights); without it FSDP communicates in float32."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    ensure_process_group(run_device)
+    mesh = init_device_mesh(device_type(run_device), (dist.get_world_size(),))
+    kw = {"mesh": mesh}
+    if bf16_compute and device_type(run_device) == "cuda":
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     root = LogProbModule(model)
     for layer in decoder_layers(model):
-        fully_shard(layer)
+        fully_shard(layer, **kw)
     # The root is resharded after its forward too (FSDP's default keeps a root unsharded until its
     # backward): after a no-grad pass there is no backward, and a root left unsharded is re-created
     # with new parameter objects by its next unshard — objects the optimizer does not hold.
-    fully_shard(root, reshard_after_forward=True)
+    fully_shard(root, reshard_after_forward=True, **kw)
     for unit in root.modules():
         if isinstance(unit, FSDPModule):
             unit.set_gradient_divide_factor(1.0)  # sum over ranks: the loss is normalised globally
@@ -127,9 +142,10 @@ class FullyShardedDataParallel(DataParallel):
     needs_idle_pass = True
     sharded_optimizer_state = True
 
-    def __init__(self):
-        ensure_process_group()  # one process without torchrun still shards (over one rank)
+    def __init__(self, run_device: str = "cpu", bf16_compute: bool = False):
+        ensure_process_group(run_device)  # one process without torchrun still shards (over one rank)
         super().__init__()
+        self.run_device, self.bf16_compute = run_device, bf16_compute
         self.roots: dict[str, LogProbModule] = {}
         self._gathered_depth = 0
 
@@ -138,7 +154,8 @@ class FullyShardedDataParallel(DataParallel):
         and route its log-prob passes through the root unit."""
         if policies.layout not in ("shared", "separate"):
             raise ValueError(f"FSDP shards full models (layouts shared, separate), not the {policies.layout} layout")
-        self.roots = {pid: shard(policies.model_for(pid)) for pid in policies.policy_ids}
+        self.roots = {pid: shard(policies.model_for(pid), self.run_device, self.bf16_compute)
+                      for pid in policies.policy_ids}
         policies.logprob_modules = dict(self.roots)
         policies.sampling_check = self._require_gathered
         with torch.no_grad():  # FSDP sets itself up on the root's first forward, which must come first
@@ -168,11 +185,16 @@ class FullyShardedDataParallel(DataParallel):
         """Nothing: FSDP's backward already reduce-scattered (summed) every gradient."""
 
     def _idle_forward(self, policies, policy_id: str) -> torch.Tensor:
-        """A one-token pass through ``policy_id``'s root unit: 0 with a graph."""
+        """A one-token pass through ``policy_id``'s root unit: 0 with a graph through every unit.
+
+        The one completion token is *selected* (action mask 1): with nothing selected the head is
+        never used and the result is a constant, so the backward would skip the model — no
+        reduce-scatter on this rank while the others issue theirs, pairing one policy's gradients
+        with another's (seen as wrong weights with the ``separate`` layout on gloo)."""
         root = self.roots[policy_id]
         device = next(iter(root.parameters())).device
         ids = torch.full((1, 2), int(policies.tokenizer.pad_token_id or 0), dtype=torch.long, device=device)
-        out = root(ids, torch.ones_like(ids), 1, action_mask=torch.zeros(1, 1, device=device))
+        out = root(ids, torch.ones_like(ids), 1, action_mask=torch.ones(1, 1, device=device))
         return out.sum() * 0.0
 
     def idle_pass(self, policies, policy_ids, *, grad: bool) -> torch.Tensor:

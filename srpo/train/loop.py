@@ -49,7 +49,7 @@ from srpo.train import state
 from srpo.train.diagnostics import RolloutMismatch, episode_metrics, episode_record
 from srpo.train.state import TrainingStopped  # noqa: F401  (part of this module's API)
 from srpo.train.update import PolicyUpdate
-from srpo.workflows.runtime import EpisodeResult, Runtime
+from srpo.workflows.runtime import EpisodeResult
 
 
 class Trainer:
@@ -100,12 +100,10 @@ class Trainer:
         # (A factory, not the bound method: a reference back to the trainer would keep a dropped
         # trainer — and its run-folder lock — alive until the cycle collector runs.)
         self.updater = PolicyUpdate(cfg, self.method, self.policies, self.backend, self.optimizers,
-                                    functools.partial(build.autocast, cfg), self.totals)
+                                    functools.partial(build.autocast, cfg), self.totals, build.device(cfg))
         # Each rank samples differently; the seed offset keeps ranks' rollouts independent.
         self.rollout_generator = torch.Generator().manual_seed(cfg.run.seed * 1000 + self.backend.rank)
-        self.runtime = Runtime(self.policies, self.role_specs, reward_fn or build.reward(cfg),
-                               generator=self.rollout_generator, max_batch=cfg.train.rollout_batch,
-                               max_prompt_tokens=cfg.workflow.max_prompt_tokens, engine=self.engine)
+        self.runtime = build.runtime(cfg, team, self.engine, self.rollout_generator, reward_fn)
         self.step, self.data_epoch, self.data_pos = 0, 0, 0
         self.data_order = epoch_order(len(self.train_tasks), cfg.run.seed, 0)
         self.best: dict[str, Any] | None = None  # the best held-out evaluation so far (eval.every)

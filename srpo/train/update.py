@@ -35,10 +35,12 @@ class PolicyUpdate:
         optimizers: policy id → optimizer.
         autocast: a factory of the run's autocast context.
         totals: the run's running counters (``nonfinite_steps`` is counted here).
+        device: this rank's device (default: ``run.device``).
     """
 
-    def __init__(self, cfg, method, policies, backend, optimizers, autocast, totals):
+    def __init__(self, cfg, method, policies, backend, optimizers, autocast, totals, device=None):
         self.cfg, self.method, self.policies, self.backend = cfg, method, policies, backend
+        self.device = device if device is not None else torch.device(cfg.run.device)
         self.optimizers, self.autocast, self.totals = optimizers, autocast, totals
         self.nonfinite_in_a_row = 0
         self.reuse_forward_as_old = True  # see on_policy_single_step; tests turn it off to compare
@@ -138,7 +140,7 @@ class PolicyUpdate:
             if not part:
                 self.idle_pass(grad=False)
                 continue
-            batch = collate(part, self.policies.tokenizer.pad_token_id).to(self.cfg.run.device)
+            batch = collate(part, self.policies.tokenizer.pad_token_id).to(self.device)
             old = self.logprobs(batch, grad=False).cpu()
             mismatch.add(batch, old)
             row = 0
@@ -185,7 +187,7 @@ class PolicyUpdate:
     def _minibatch(self, mb: list[Event], epoch: int, acc, roles, mismatch, counts) -> torch.Tensor:
         """Forward and backward every micro-batch of one mini-batch; returns this rank's loss."""
         cfg, t = self.cfg, self.cfg.train
-        device = cfg.run.device
+        device = self.device
         normalizer = max(self.backend.sum_int(global_normalizer(mb, self.method.loss)), 1)
         micro, _ = split_minibatches(mb, t.microbatches, self.method.loss)
         total_loss = torch.zeros(())

@@ -1,0 +1,147 @@
+"""The device-dependent logic of a GPU run, covered on a CPU machine (issue: the first GPU run must
+not fail).  Each test names the defect it guards against."""
+
+import shutil
+
+import pytest
+import torch
+
+from srpo.config import ConfigError, parse_config
+from srpo.parallel.devices import DeviceError, process_group_backend, rank_device
+from srpo.policies.sampling import draw, kv_budget, SAMPLE_KV_BUDGET
+from srpo.rollout.vllm import buckets, engine_visible_devices, staging_root
+
+TORCHRUN = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}
+
+
+def test_draws_come_from_the_generators_device(monkeypatch):
+    """The trainer's and the evaluator's generators live on the CPU; a draw on CUDA probabilities
+    must ask the CPU generator for its numbers (torch.rand with a CPU generator and a CUDA device
+    raises "Expected a 'cuda' device type for generator")."""
+    seen = []
+    real = torch.rand
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("generator"), kwargs.get("device")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "rand", spy)
+    g = torch.Generator()
+    draw(torch.softmax(torch.randn(3, 7), -1), g)
+    assert seen and all(dev == g.device for gen, dev in seen if gen is g)
+    # The same numbers as before the change on a CPU: a checkpointed generator state replays.
+    monkeypatch.setattr(torch, "rand", real)
+    a = draw(torch.softmax(torch.randn(4, 50, generator=torch.Generator().manual_seed(1)), -1),
+             torch.Generator().manual_seed(3))
+    u = torch.rand((4, 1), generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    probs = torch.softmax(torch.randn(4, 50, generator=torch.Generator().manual_seed(1)), -1)
+    cdf = probs.double().cumsum(-1)
+    assert torch.equal(a, torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1))
+
+
+def test_each_rank_takes_its_own_device_and_cpu_runs_stay_on_gloo():
+    """run.device cuda under torchrun is cuda:LOCAL_RANK (not GPU 0 on every rank); cuda:N under
+    torchrun is refused (every rank on GPU N); a CPU run uses gloo and the CPU on a GPU machine."""
+    assert rank_device("cpu", TORCHRUN) == torch.device("cpu")
+    assert rank_device("cuda", TORCHRUN) == torch.device("cuda", 1)
+    assert rank_device("cuda", {}) == torch.device("cuda", 0)
+    assert rank_device("cuda:3", {}) == torch.device("cuda", 3)
+    with pytest.raises(DeviceError, match="would put all 2 ranks on GPU 3"):
+        rank_device("cuda:3", TORCHRUN)
+    assert isinstance(DeviceError("x"), ConfigError)  # the command line reports it as a config error
+    assert process_group_backend("cpu") == "gloo"
+    assert process_group_backend("cuda") == "cuda:nccl,cpu:gloo"
+
+
+def test_fsdp_shards_on_the_mesh_of_run_device():
+    """fully_shard without a mesh takes the CUDA mesh whenever CUDA exists; srpo passes the mesh of
+    run.device, so a CPU run's shards live on a CPU mesh."""
+    from srpo.parallel.fsdp import ensure_process_group, shard
+    from srpo.policies import load_model
+
+    ensure_process_group("cpu")
+    model, _ = load_model("tiny-llama")
+    root = shard(model, "cpu")
+    param = next(root.parameters())
+    assert param.device_mesh.device_type == "cpu"
+
+
+def test_engine_of_each_rank_sees_only_its_gpu():
+    """vLLM's single-process executor takes cuda:0; under torchrun each rank's engine is started
+    with CUDA_VISIBLE_DEVICES set to that rank's GPU (an index into the launch's visible GPUs)."""
+    assert engine_visible_devices({}) is None
+    assert engine_visible_devices(TORCHRUN) == "1"
+    assert engine_visible_devices({**TORCHRUN, "CUDA_VISIBLE_DEVICES": "4,5"}) == "5"
+
+
+def test_weight_sync_buckets_and_a_small_dev_shm(monkeypatch, tmp_path):
+    """The weights go in buckets of bounded size; a /dev/shm without room for two buckets (a
+    container's 64 MB default) sends them to disk instead of failing."""
+    state = {f"w{i}": torch.zeros(1000) for i in range(10)}  # 4,000 bytes each
+    groups = list(buckets(state, limit=10_000))
+    assert [len(g) for g in groups] == [2, 2, 2, 2, 2] and sum(map(len, groups)) == 10
+    assert [len(g) for g in buckets({"big": torch.zeros(5000), "s": torch.zeros(1)}, limit=100)] == [1, 1]
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(64 << 20, 0, 64 << 20))
+    assert staging_root(256 << 20, str(shm)) != shm  # 64 MB free: two 256 MB buckets do not fit
+    assert staging_root(16 << 20, str(shm)) == shm
+    assert staging_root(16 << 20, str(tmp_path / "missing")) != tmp_path / "missing"
+
+
+def test_sampler_memory_budget_follows_the_device(monkeypatch):
+    """The KV budget of one sampling call is 4 GiB on a CPU; on a GPU half its free memory (a fixed
+    4 GiB split a 4B model's long calls into one row each)."""
+    assert kv_budget(torch.device("cpu")) == SAMPLE_KV_BUDGET
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 << 30, 80 << 30))
+    assert kv_budget(torch.device("cuda", 0)) == 30 << 30
+
+
+def test_pure_bf16_full_fine_tuning_is_refused_and_lora_keeps_float32_adapters():
+    """bf16 weights with no float32 master copy lose updates below bf16's rounding step; refused
+    unless said knowingly.  The LoRA layout over a bf16 base trains float32 adapters."""
+    with pytest.raises(ConfigError, match="no float32 master copy"):
+        parse_config({"model": {"dtype": "bfloat16", "layout": "shared"}})
+    parse_config({"model": {"dtype": "bfloat16", "layout": "shared"}, "train": {"low_precision_weights": True}})
+    parse_config({"model": {"dtype": "bfloat16", "layout": "lora"}})
+    from srpo.policies.layouts import build_policies
+
+    policies = build_policies("lora", "tiny-llama", ["a", "b"], dtype=torch.bfloat16)
+    assert {p.dtype for pid in policies.policy_ids for p in policies.parameters(pid)} == {torch.float32}
+    # why: one AdamW-sized step of a bf16 weight of 1.0 at lr 1e-5 is rounded away entirely
+    w = torch.tensor([1.0], dtype=torch.bfloat16)
+    assert torch.equal(w - 1e-5, w)
+
+
+def test_top_p_below_one_on_vllm_is_refused():
+    """vLLM's processed log-probs include its top-p renormalisation, the trainer's do not: the
+    mismatch and TIS would be biased."""
+    with pytest.raises(ConfigError, match="top-p renormalisation"):
+        parse_config({"rollout": {"engine": "vllm"}, "workflow": {"roles": {"solver": {"top_p": 0.9}}}})
+    parse_config({"rollout": {"engine": "hf"}, "workflow": {"roles": {"solver": {"top_p": 0.9}}}})
+
+
+def test_engine_dtype_follows_the_trainers_compute():
+    from srpo.build import engine_dtype
+
+    assert engine_dtype(parse_config({"run": {"device": "cuda"}, "model": {"autocast_bf16": True}})) == "bfloat16"
+    assert engine_dtype(parse_config({"run": {"device": "cpu"}, "model": {"autocast_bf16": True}})) == "float32"
+    assert engine_dtype(parse_config({"rollout": {"dtype": "float16"}})) == "float16"
+
+
+def test_data_parallel_gradients_are_summed_in_buckets(monkeypatch):
+    """DDP sums gradients in flat buckets (one collective per bucket, not per tensor), and the
+    summed values land back in every tensor."""
+    from srpo.parallel.base import DataParallel
+
+    dp = DataParallel.__new__(DataParallel)
+    dp.enabled, dp.rank, dp.world = True, 0, 2
+    calls = []
+    monkeypatch.setattr(dp, "sum_", lambda t: (calls.append(t.numel()), t.mul_(2))[1])
+    monkeypatch.setattr(DataParallel, "BUCKET_BYTES", 4 * 250)
+    params = [torch.nn.Parameter(torch.ones(n)) for n in (100, 100, 100, 400)]
+    for p in params:
+        p.grad = torch.full_like(p, 3.0)
+    dp.reduce_gradients(params)
+    assert calls == [200, 100, 400]  # 800 bytes, then 400 (a third would pass 1000), then one large alone
+    assert all(torch.equal(p.grad, torch.full_like(p, 6.0)) for p in params)
