@@ -145,3 +145,33 @@ def test_data_parallel_gradients_are_summed_in_buckets(monkeypatch):
     dp.reduce_gradients(params)
     assert calls == [200, 100, 400]  # 800 bytes, then 400 (a third would pass 1000), then one large alone
     assert all(torch.equal(p.grad, torch.full_like(p, 6.0)) for p in params)
+
+
+def test_gpu_check_runs_reduced_on_cpu_and_cannot_say_ok_when_wrong(tmp_path):
+    """scripts/gpu_check.py in its reduced CPU form: every combination judged against a reference
+    (resume vs straight, sampler vs trainer, FSDP over 2 gloo ranks vs one process), missing pieces
+    skipped by name, one JSON report; a sabotaged resume is reported FAILED with its stage."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    base = [sys.executable, str(script), "--device", "cpu", "--model", "tiny-llama", "--steps", "2"]
+    done = subprocess.run([*base, "--only", "sampler · shared,sampler · lora,fsdp,vllm,staleness",
+                           "--out", str(tmp_path / "r.json")], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads((tmp_path / "r.json").read_text())
+    verdicts = {r["combination"]: r["verdict"] for r in report["combinations"]}
+    assert verdicts["sampler · shared · fp32"] == verdicts["sampler · lora · fp32"] == "ok"
+    assert verdicts["fsdp · all devices"] == "ok" and "2 rank(s) vs one process" in done.stdout
+    assert verdicts["staleness"] == "SKIPPED" and report["floor_gib_full_model"] > 0
+    sabotaged = subprocess.run([*base, "--only", "sampler · shared · fp32", "--out", str(tmp_path / "s.json")],
+                               env={**env, "SRPO_GPU_CHECK_SABOTAGE": "resume"}, capture_output=True, text=True,
+                               timeout=900)
+    assert sabotaged.returncode == 1
+    (record,) = json.loads((tmp_path / "s.json").read_text())["combinations"]
+    assert record["verdict"] == "FAILED" and record["stage"] == "compare resumed with straight"
+    assert "Traceback" in record["traceback"]
