@@ -256,6 +256,38 @@ def vllm_team_check(args, tmp: Path) -> dict:
             "stage": "compare"}
 
 
+def vllm_torchrun_check(args, tmp: Path, gpus: int) -> dict:
+    """``srpo train`` under torchrun on every GPU with the vLLM engine: each rank's engine must sit on
+    its own GPU (every GPU holds memory afterwards, not GPU 0 alone) and agree with its trainer."""
+    run = tmp / "vllm-torchrun"
+    cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node", str(gpus), "-m", "srpo.cli", "train",
+           "--config", str(CONFIG), "--set",
+           *overrides(args, run, "run.steps=1", "rollout.engine=vllm", "rollout.gpu_memory_utilization=0.2",
+                      "train.tis_cap=2", "run.device=cuda")]
+    probe = ("import torch,sys; sys.stdout.write(' '.join(str(torch.cuda.mem_get_info(i)[1] - "
+             "torch.cuda.mem_get_info(i)[0]) for i in range(torch.cuda.device_count())))")
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    used = []
+    for _ in range(120):  # sample every GPU's used memory while the run holds its engines
+        time.sleep(2)
+        if proc.poll() is not None:
+            break
+        got = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+        used.append([int(x) for x in got.stdout.split()] if got.returncode == 0 else [])
+    out, err = proc.communicate(timeout=600)
+    if proc.returncode:
+        raise CheckFailed(f"torchrun with vLLM failed (rc {proc.returncode}):\n{err[-3000:]}")
+    busy = [max((u[i] for u in used if len(u) > i), default=0) for i in range(gpus)]
+    if not all(b > 1 << 30 for b in busy):
+        raise CheckFailed(f"engines not spread over the GPUs: peak used GiB per GPU {[round(b / 2**30, 1) for b in busy]}")
+    row = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    if not row.get("mismatch/mean_abs", 0.0) <= TOL["fp32"]:
+        raise CheckFailed(f"mismatch {row.get('mismatch/mean_abs')} > {TOL['fp32']}")
+    return {"details": f"{gpus} ranks, peak used GiB per GPU {[round(b / 2**30, 1) for b in busy]}, mismatch "
+                       f"{row.get('mismatch/mean_abs', 0.0):.2e}", "stage": "compare"}
+
+
 def combinations(args, tmp: Path):
     """``(name, function or a reason to skip)`` of every combination this machine can run."""
     import importlib.util
@@ -273,8 +305,7 @@ def combinations(args, tmp: Path):
     yield "vllm · engine", (lambda: vllm_engine_check(args, tmp)) if has_vllm else no_vllm
     yield "vllm · team step", (lambda: vllm_team_check(args, tmp)) if has_vllm else no_vllm
     yield "vllm · torchrun", ("needs 2 or more GPUs (one engine per rank, each on its own GPU)" if gpus < 2 else
-                              "not automated yet: run `torchrun --nproc_per_node N -m srpo.cli train ... "
-                              "--set rollout.engine=vllm` and check each GPU's memory")
+                              no_vllm if not has_vllm else (lambda: vllm_torchrun_check(args, tmp, gpus)))
     yield "staleness", "not implemented yet (rollout.max_staleness: the GPU path as one whole, item 3)"
 
 

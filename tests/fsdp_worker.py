@@ -41,6 +41,14 @@ def full_weights(trainer) -> dict:
     return {k: v.detach().clone() for k, v in trainer.policies.model_for("shared").state_dict().items()}
 
 
+def global_batch(trainer, cfg):
+    """Three tasks' episodes, the same on every rank, as advantage-assigned events."""
+    trainer.rollout_generator.manual_seed(1234)  # the same global batch on every rank
+    episodes = trainer.rollout(trainer.train_tasks[:3])
+    events, _ = validate_events([e for ep in episodes for e in ep.events])
+    return assign_advantages(events, cfg.method.name)
+
+
 def update(out_path: str, run_dir: str, parallel: str) -> None:
     start()
     cfg = load_config(None, [
@@ -50,10 +58,7 @@ def update(out_path: str, run_dir: str, parallel: str) -> None:
         "task.train.n=6", "log.tensorboard=false", f"train.parallel={parallel}"])
     trainer = Trainer(cfg, progress=False, reward_fn=varied_reward)
     dist = trainer.backend
-    trainer.rollout_generator.manual_seed(1234)  # the same global batch on every rank
-    episodes = trainer.rollout(trainer.train_tasks[:3])
-    events, _ = validate_events([e for ep in episodes for e in ep.events])
-    events = assign_advantages(events, cfg.method.name)
+    events = global_batch(trainer, cfg)
     mine, _ = shard_events(events, dist.rank, dist.world, "srpo")
     trainer.update(mine)
     weights = full_weights(trainer)
@@ -76,10 +81,7 @@ def update_by_policy(out_path: str, run_dir: str, parallel: str) -> None:
         "train.skip_zero_advantage=false", f"train.parallel={parallel}"])
     trainer = Trainer(cfg, progress=False, reward_fn=varied_reward)
     dist = trainer.backend
-    trainer.rollout_generator.manual_seed(1234)  # the same global batch on every rank
-    episodes = trainer.rollout(trainer.train_tasks[:3])
-    events, _ = validate_events([e for ep in episodes for e in ep.events])
-    events = assign_advantages(events, cfg.method.name)
+    events = global_batch(trainer, cfg)
     policies = sorted(trainer.policies.policy_ids)
     mine = events if dist.world == 1 else [e for e in events if e.members[0].policy_id == policies[dist.rank]]
     trainer.update(mine)
