@@ -48,6 +48,11 @@ def import_object(path: str) -> Any:
         obj: Any = importlib.import_module(module_name)
     except ImportError as err:
         raise RegistryError(f"{path!r}: cannot import {module_name!r} ({err})") from None
+    except SystemExit as err:  # a module that exits at import must not end the run silently
+        raise RegistryError(f"{path!r}: importing {module_name!r} called sys.exit({err.code!r})") from None
+    except Exception as err:  # SyntaxError, or whatever the module raises at import
+        where = f" (line {err.lineno} of {err.filename})" if isinstance(err, SyntaxError) else ""
+        raise RegistryError(f"{path!r}: importing {module_name!r} raised {type(err).__name__}: {err}{where}") from None
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)

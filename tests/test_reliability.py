@@ -304,3 +304,32 @@ def test_no_eval_or_exec_of_text_anywhere():
             if pattern.search(line.split("#")[0]):
                 offenders.append(f"{path.relative_to(ROOT)}:{no}: {line.strip()}")
     assert not offenders, offenders
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_a_non_finite_reward_is_a_failed_reward(value):
+    """A reward of ±inf or NaN never reaches the advantages, the loss or the logs: the episode
+    scores as failed (the failure reward), the failure is counted and its first traceback kept."""
+    wf = build_workflow("single")
+    rt = Runtime(ScriptedPolicies(lambda role, prompt: "4", wf.roles()), wf.default_role_specs(),
+                 lambda task, answer: value)
+    res = rt.run(wf, [(f"e{i}", t) for i, t in enumerate(synthetic_arithmetic(3, level=0, seed=1))])
+    assert [r.reward for r in res] == [0.0, 0.0, 0.0] and all(r.info.get("failed") for r in res)
+    assert rt.failures["reward"] == 3 and "returned" in rt.first_traceback["reward"]
+
+
+@pytest.mark.parametrize("body, message", [
+    ("raise ValueError('broken at import')", "raised ValueError: broken at import"),
+    ("import sys\nsys.exit(0)", r"called sys.exit\(0\)"),
+    ("def f(:\n  pass", "raised SyntaxError"),
+])
+def test_user_code_that_fails_at_import_names_the_field_and_the_path(tmp_path, monkeypatch, body, message):
+    """A module named by a config import path that raises, exits or does not parse at import gives
+    one config error naming the field and the path (a sys.exit(0) used to end srpo train with 0)."""
+    from srpo.config import ConfigError
+
+    (tmp_path / "badteam.py").write_text(body + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("badteam", None)
+    with pytest.raises(ConfigError, match=rf"workflow.name: 'badteam:Team': .*{message}"):
+        load_config(None, [f"run.output_dir={tmp_path / 'run'}", "workflow.name=badteam:Team"])

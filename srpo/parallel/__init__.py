@@ -1,5 +1,5 @@
 """Parallel backends (:mod:`srpo.parallel.base`): one process, DDP, FSDP2 (:mod:`srpo.parallel.fsdp`)."""
 
-from srpo.parallel.base import DataParallel, Distributed, SingleProcess
+from srpo.parallel.base import DataParallel, SingleProcess
 
-__all__ = ["DataParallel", "Distributed", "SingleProcess"]
+__all__ = ["DataParallel", "SingleProcess"]

@@ -179,8 +179,3 @@ class DataParallel(SingleProcess):
             torch.distributed.barrier()
             torch.distributed.destroy_process_group()
             self.enabled = False
-
-
-#: The name kept for code written before backends were components: one process or DDP ranks,
-#: whichever ``torch.distributed`` holds.
-Distributed = DataParallel

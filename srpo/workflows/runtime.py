@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -306,8 +307,8 @@ class Runtime:
             if failed:
                 raise WorkflowError("the workflow raised; see the first workflow failure")
             reward = float(self.reward_fn(task, answer))
-            if reward != reward:  # NaN
-                raise ValueError("reward function returned NaN")
+            if not math.isfinite(reward):  # NaN or ±inf would reach the advantages, the loss and the logs
+                raise ValueError(f"reward function returned {reward}")
         except Exception:
             reward = self.failure_reward
             ctx.info["failed"] = True
