@@ -190,3 +190,18 @@ def test_seed_planning_script_runs_reduced_on_cpu(tmp_path):
     assert all(r["seeds"] == 2 and r["sd_paired"] >= 0 for r in report["comparisons"])
     cells = list((tmp_path / "plan").glob("*/seed*/cell.json"))
     assert len(cells) == 6 and all(json.loads(c.read_text())["environment"]["eval_seed"] >= 1000 for c in cells)
+
+
+def test_a_torn_cell_record_is_named_set_aside_and_the_cell_run_again(tmp_path):
+    """A cell.json cut off mid-write (written before records were atomic, or a full disk) used to
+    stop the whole study with an unnamed JSONDecodeError; now it is named, moved aside, redone."""
+    from srpo.study import read_cell
+
+    cell = tmp_path / "srpo" / "seed0" / "cell.json"
+    cell.parent.mkdir(parents=True)
+    cell.write_text('{"label": "srpo", "eval": {"macro": {"avg@2"')
+    with pytest.warns(UserWarning, match=r"seed0/cell.json: unreadable cell record"):
+        assert read_cell(cell) is None
+    assert not cell.exists() and (cell.parent / "cell.json.unreadable").is_file()
+    cell.write_text(json.dumps({"label": "srpo", "eval": {"macro": {}}}))
+    assert read_cell(cell)["label"] == "srpo"
