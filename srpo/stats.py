@@ -141,7 +141,10 @@ def adjust(comparisons: list[dict[str, Any]]) -> None:
         for c, p in zip(comparisons, holm(raw)):
             c[f"{key}_holm"] = p if p == p else None
     for c in comparisons:
-        c["significant"] = bool(c.get("p_t_holm") is not None and c["p_t_holm"] < ALPHA)
+        # The pre-registered primary comparison is judged on its own p (Holm among the primary
+        # cells only, ``p_primary``); every other one on its p adjusted across all of them.
+        p = c.get("p_primary", c.get("p_t")) if c.get("primary") else c.get("p_t_holm")
+        c["significant"] = bool(p is not None and p < ALPHA)
         c["verdict"] = verdict(c)
 
 
@@ -150,7 +153,7 @@ def verdict(c: dict[str, Any]) -> str:
     if c.get("p_t") is None:
         return "one seed: no test"
     if c.get("primary"):
-        if c["p_t"] >= ALPHA:
+        if not c["significant"]:
             return "not significant (primary)"
         return "significant (primary)" + ("" if (c.get("p_sign_flip") or 1) < ALPHA else
                                           "; exact test not (rests on normality)")
