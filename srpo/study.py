@@ -89,6 +89,16 @@ class PrimaryComparison(Section):
     """The decision test (the exact sign-flip p is reported beside it)."""
 
 
+class Contrast(Section):
+    """One more paired comparison beside those against ``baseline``: ``cell`` − ``against``, seed by
+    seed — for a study whose question is a difference within each of several conditions (e.g. sum −
+    sqrt at one and at four optimizer steps per rollout)."""
+    cell: str
+    """The cell label whose values are compared."""
+    against: str
+    """The cell label it is compared with (the paired difference is cell − against)."""
+
+
 class StudySpec(Section):
     output_dir: str
     """Folder of the study: one run folder per cell, results.md/json/png."""
@@ -118,6 +128,8 @@ class StudySpec(Section):
     Holm-adjusted p across all of the study's comparisons (srpo.stats)."""
     primary: PrimaryComparison | None = None
     """The pre-registered primary comparison (see PrimaryComparison)."""
+    contrasts: list[Contrast] = Field(default_factory=list)
+    """More paired comparisons (cell − against), reported and Holm-adjusted with all the others."""
 
 
 def load_study(path: str | Path, check_cells: bool = True) -> dict:
@@ -145,6 +157,13 @@ def load_study(path: str | Path, check_cells: bool = True) -> dict:
                 raise ConfigError(f"{p}: primary names cell {name!r}, which the axes do not make; cells: "
                                   f"{', '.join(sorted(labels))}")
         spec["primary"] = {**typed.primary.model_dump(), "metric": typed.primary.metric or f"avg@{typed.eval.k}"}
+    if typed.contrasts:
+        labels = {c["label"] for c in cells(spec)}
+        for contrast in typed.contrasts:
+            for name in (contrast.cell, contrast.against):
+                if name not in labels:
+                    raise ConfigError(f"{p}: contrasts names cell {name!r}, which the axes do not make; cells: "
+                                      f"{', '.join(sorted(labels))}")
     for cell in (cells(spec) + references(spec)) if check_cells else ():
         try:
             build.check_eval_corpora(cell_config(spec, cell, Path(spec["output_dir"]) / "_check"), spec["eval_sources"],
@@ -477,7 +496,7 @@ def paired_differences(records: list[dict], baseline: str, metric: str,
 
 def comparisons(records: list[dict], spec: dict) -> list[dict[str, Any]]:
     """Every paired comparison the study reports — each cell against the baseline (and the primary
-    comparison's baseline), for avg@k and pass@k, on the macro average and on each dataset when
+    comparison's baseline), then the declared ``contrasts``, for avg@k and pass@k, on the macro average and on each dataset when
     there are several — with Holm-adjusted p-values across all of them (:func:`srpo.stats.adjust`).
     The pre-registered primary comparison (``primary``) is marked and judged on its own: Holm only
     among the primary cells, when it names several."""
@@ -497,6 +516,17 @@ def comparisons(records: list[dict], spec: dict) -> list[dict[str, Any]]:
                         and metric == primary.get("metric", f"avg@{k}") and (scope or "macro") == primary.get("dataset", "macro")
                     out.append({"cell": label, "baseline": baseline, "metric": metric, "dataset": scope or "macro",
                                 "primary": is_primary, **{k_: v for k_, v in test.items() if k_ != "significant"}})
+    done = {(c["cell"], c["baseline"]) for c in out}
+    for contrast in spec.get("contrasts") or []:
+        if (contrast["cell"], contrast["against"]) in done:
+            continue
+        for scope in scopes:
+            for metric in (f"avg@{k}", f"pass@{k}"):
+                test = paired_differences(records, contrast["against"], metric, scope).get(contrast["cell"])
+                if test is not None:
+                    out.append({"cell": contrast["cell"], "baseline": contrast["against"], "metric": metric,
+                                "dataset": scope or "macro", "primary": False,
+                                **{k_: v for k_, v in test.items() if k_ != "significant"}})
     firsts = [c for c in out if c["primary"]]
     for c, p in zip(firsts, stats.holm([c["p_t"] if c["p_t"] is not None else float("nan") for c in firsts])):
         c["p_primary"] = p if p == p else None

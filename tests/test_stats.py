@@ -96,3 +96,32 @@ def test_study_primary_must_name_cells_of_the_grid(tmp_path):
     (tmp_path / "s.yaml").write_text(yaml.safe_dump(study))
     with pytest.raises(ConfigError, match="primary names cell 'grpo'"):
         load_study(tmp_path / "s.yaml")
+
+
+def test_contrasts_compare_declared_pairs_and_join_the_holm_family(tmp_path):
+    from srpo.config import ConfigError
+    from srpo.study import load_study
+
+    base = [0.40, 0.52, 0.47, 0.61, 0.55, 0.43, 0.58, 0.50]
+    records = [_record("sqrt-1", s, b) for s, b in enumerate(base)]
+    records += [_record("sum-1", s, b - 0.10 - 0.01 * (s % 3)) for s, b in enumerate(base)]
+    records += [_record("sqrt-4", s, b + 0.05) for s, b in enumerate(base)]
+    records += [_record("sum-4", s, b + 0.05 + (0.02 if s % 2 else -0.02)) for s, b in enumerate(base)]
+    spec = {"eval": {"k": 2}, "contrasts": [{"cell": "sum-1", "against": "sqrt-1"},
+                                            {"cell": "sum-4", "against": "sqrt-4"}]}
+    comps = comparisons(records, spec)
+    assert {(c["cell"], c["baseline"]) for c in comps} == {("sum-1", "sqrt-1"), ("sum-4", "sqrt-4")}
+    one = next(c for c in comps if c["cell"] == "sum-1" and c["metric"] == "avg@2")
+    four = next(c for c in comps if c["cell"] == "sum-4" and c["metric"] == "avg@2")
+    assert one["mean"] == pytest.approx(-0.10 - 0.01 * sum(s % 3 for s in range(8)) / 8)
+    assert four["mean"] == pytest.approx(0.0) and four["p_t"] > 0.5
+    assert one["p_t_holm"] >= one["p_t"] and one["verdict"].startswith("significant")
+    # A contrast naming a cell the axes do not make is refused at load.
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump({"model": {"name": "tiny-llama"}}))
+    study = {"output_dir": str(tmp_path / "o"), "base": "base.yaml", "seeds": [0],
+             "axes": {"m": [{"label": "sqrt", "set": {}}]},
+             "eval": {"k": 2, "datasets": [{"source": "synthetic_arithmetic", "level": 0, "n": 0}]},
+             "contrasts": [{"cell": "sum", "against": "sqrt"}]}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(study))
+    with pytest.raises(ConfigError, match="contrasts names cell 'sum'"):
+        load_study(tmp_path / "s.yaml")
