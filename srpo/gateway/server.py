@@ -1,0 +1,224 @@
+"""The HTTP endpoint: OpenAI's chat-completions, completions and models routes on 127.0.0.1.
+
+Training: each episode gets its own unguessable base URL, ``http://127.0.0.1:<port>/e/<token>/v1``
+(``token``: 128 random bits), opened when the episode starts and closed when it ends — a stray
+process, or an episode's program still running after its time, cannot write into another episode
+(unknown or closed tokens get 404).  Serving (``srpo serve``): the same routes at ``/v1``.
+
+The server (Starlette under uvicorn) runs on its own event loop: in a daemon thread while srpo
+trains (:class:`Gateway`), in the main thread for ``srpo serve`` (:func:`serve_forever`).
+Responses and errors are OpenAI-shaped (:mod:`srpo.gateway.protocol`); an internal failure is a
+500 with a one-line message, never a traceback on the wire (it goes to the log).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import socket
+import threading
+import time
+import traceback
+from typing import Any
+
+from srpo.gateway.protocol import ProtocolError, error_body, models_list, parse_request, response, stream_events
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 8 << 20  # 8 MiB: a long multi-agent transcript fits; a runaway client does not
+
+
+class GatewayError(RuntimeError):
+    """The gateway cannot start (a port in use, the server libraries missing)."""
+
+
+def _require_server_libraries():
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise GatewayError("the OpenAI-compatible gateway needs starlette and uvicorn: "
+                           "pip install 'srpo[gateway]'") from None
+
+
+def build_app(resolve, *, serve_root: bool = False):
+    """The Starlette app.  ``resolve(token)`` returns the backend of an open episode (None: unknown
+    or closed); with ``serve_root`` the routes also answer at ``/v1`` (``resolve(None)``)."""
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    def error(status: int, message: str, *, param=None, code=None, kind="invalid_request_error"):
+        return JSONResponse(error_body(message, param=param, code=code, kind=kind), status_code=status)
+
+    def backend_of(request):
+        token = request.path_params.get("token")
+        backend = resolve(token)
+        if backend is None:
+            raise ProtocolError("no such episode: it has ended, or this URL was never issued", status=404,
+                                code="episode_not_found")
+        return backend
+
+    async def completions(request, chat: bool):
+        try:
+            backend = backend_of(request)
+            size = int(request.headers.get("content-length") or 0)
+            raw = await request.body()
+            if max(size, len(raw)) > MAX_BODY_BYTES:
+                raise ProtocolError(f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB", status=413)
+            try:
+                body = json.loads(raw)
+            except (ValueError, UnicodeDecodeError) as err:
+                raise ProtocolError(f"the request body is not JSON ({err})") from None
+            req = parse_request(body, chat=chat, headers={k.lower(): v for k, v in request.headers.items()})
+            if req.model not in backend.roles:
+                raise ProtocolError(f"the model {req.model!r} is not a role of this team; roles: "
+                                    f"{', '.join(backend.roles)}", param="model", status=404, code="model_not_found")
+            choices, prompt_tokens = await backend.complete(req)
+        except ProtocolError as err:
+            return JSONResponse(err.body(), status_code=err.status)
+        except asyncio.CancelledError:
+            return error(503, "the episode ended while this request waited", kind="server_error")
+        except Exception as err:  # noqa: BLE001 — the wire gets one line, the log the traceback
+            log.error("gateway request failed:\n%s", traceback.format_exc())
+            return error(500, f"{type(err).__name__}: {err}", kind="server_error")
+        if req.stream:
+            return StreamingResponse(iter(stream_events(req, choices)), media_type="text/event-stream")
+        return JSONResponse(response(req, choices, prompt_tokens))
+
+    async def chat(request):
+        return await completions(request, chat=True)
+
+    async def text(request):
+        return await completions(request, chat=False)
+
+    async def models(request):
+        try:
+            return JSONResponse(models_list(backend_of(request).roles))
+        except ProtocolError as err:
+            return JSONResponse(err.body(), status_code=err.status)
+
+    async def not_found(request, exc):
+        return error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                     code="not_found" if exc.status_code == 404 else None)
+
+    routes = [Route("/e/{token}/v1/chat/completions", chat, methods=["POST"]),
+              Route("/e/{token}/v1/completions", text, methods=["POST"]),
+              Route("/e/{token}/v1/models", models, methods=["GET"])]
+    if serve_root:
+        routes += [Route("/v1/chat/completions", chat, methods=["POST"]),
+                   Route("/v1/completions", text, methods=["POST"]),
+                   Route("/v1/models", models, methods=["GET"])]
+    return Starlette(routes=routes, exception_handlers={HTTPException: not_found})
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket, or a clear error for a port in use."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise GatewayError(f"cannot listen on {host}:{port}: {err.strerror or err}"
+                           + (" (the port is in use; choose another with --port)" if port else "")) from None
+    sock.listen(2048)
+    return sock
+
+
+def _uvicorn_server(app, **limits: Any):
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
+                            timeout_keep_alive=limits.get("timeout_keep_alive", 30),
+                            limit_concurrency=limits.get("limit_concurrency", 4096))
+    return uvicorn.Server(config)
+
+
+class Gateway:
+    """The training endpoint: a uvicorn server in a daemon thread, episodes opened and closed by
+    token.  One per process and address (:func:`shared`)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+        _require_server_libraries()
+        self._backends: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._sock = bind(host, port)
+        self.host, self.port = self._sock.getsockname()[:2]
+        self._server = _uvicorn_server(build_app(self._resolve))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
+                                        name="srpo-gateway", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise GatewayError(f"the gateway on {self.host}:{self.port} did not start")
+            time.sleep(0.01)
+
+    def _resolve(self, token: str | None):
+        with self._lock:
+            return self._backends.get(token) if token else None
+
+    def open(self, backend) -> str:
+        """Register an episode's backend; returns its base URL."""
+        token = secrets.token_urlsafe(16)
+        with self._lock:
+            self._backends[token] = backend
+        return token
+
+    def url(self, token: str) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/e/{token}/v1"
+
+    def close_episode(self, token: str) -> None:
+        with self._lock:
+            self._backends.pop(token, None)
+
+    @property
+    def open_episodes(self) -> int:
+        with self._lock:
+            return len(self._backends)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+
+
+_SHARED: dict[tuple[str, int], Gateway] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared(host: str = "127.0.0.1", port: int = 0) -> Gateway:
+    """This process's gateway on ``host:port`` (started at first use; port 0: one chosen by the OS,
+    kept for the process)."""
+    with _SHARED_LOCK:
+        gw = _SHARED.get((host, port))
+        if gw is None or not gw._thread.is_alive():
+            gw = _SHARED[(host, port)] = Gateway(host, port)
+        return gw
+
+
+def serve_forever(backend, host: str = "127.0.0.1", port: int = 8000, *, ready=None) -> None:
+    """``srpo serve``: the routes at ``/v1`` (and per-token routes, unused) in this thread until
+    interrupted.  ``ready(host, port)`` is called once it listens."""
+    _require_server_libraries()
+    sock = bind(host, port)
+    server = _uvicorn_server(build_app(lambda token: backend if token is None else None, serve_root=True))
+    if ready is not None:
+        real_startup = server.startup
+
+        async def startup(sockets=None):
+            await real_startup(sockets=sockets)
+            ready(*sock.getsockname()[:2])
+
+        server.startup = startup
+    try:
+        server.run(sockets=[sock])
+    finally:
+        close = getattr(backend, "close", None)
+        if close is not None:
+            close()

@@ -1,0 +1,171 @@
+"""``openai_agent``: the workflow is the user's own program, talking to an OpenAI-compatible endpoint.
+
+    workflow:
+      name: openai_agent
+      options: {entry: mypkg.team:solve, roles: [solver_1, solver_2, judge]}
+
+``solve(task, base_url)`` — a plain function (run in a worker thread) or ``async def`` (run on
+srpo's event loop: do not block it) — receives the srpo :class:`~srpo.tasks.base.Task`
+(``task.question`` is the problem text) and the episode's own base URL, calls any
+OpenAI-compatible client with ``model=<role>``, and returns the final answer (graded by the task
+kind, as for every workflow) or a float reward.  ``entry`` is ``package.module:function`` or
+``path/to/file.py:function`` (relative to the working folder).
+
+Every completion is recorded with its token ids and behaviour log-probs; the active sets are
+recovered from what the program does with the outputs (:mod:`srpo.gateway.dataflow`).  The calls
+of all live episodes are batched as the built-in workflows' are (:mod:`srpo.workflows.runtime`).
+A program that raises or runs past ``timeout_s`` costs its episode (counted, the first traceback
+logged), never the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import importlib.util
+import inspect
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Callable
+
+from pydantic import Field
+
+from srpo.policies.sampling import SamplingParams
+from srpo.registry import RegistryError, import_object
+from srpo.workflows.builtins import Count, OptionError, Workflow, register_workflow
+from srpo.workflows.runtime import RoleSpec, WorkflowError
+
+ROLE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
+_POOLS: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+
+
+def load_entry(entry: str) -> Callable[..., Any]:
+    """``package.module:function`` or ``path/to/file.py:function`` → the function."""
+    module, _, attr = entry.rpartition(":")
+    if not module or not attr:
+        raise OptionError("entry", f"{entry!r}: expected package.module:function or path/to/file.py:function")
+    if module.endswith(".py"):
+        path = Path(module)
+        if not path.is_file():
+            raise OptionError("entry", f"{entry!r}: no file {path}")
+        name = f"srpo_user_{abs(hash(str(path.resolve())))}"
+        if name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(name, path)
+            mod = importlib.util.module_from_spec(spec)
+            try:
+                spec.loader.exec_module(mod)
+            except SystemExit as err:
+                raise OptionError("entry", f"{entry!r}: importing {path} called sys.exit({err.code!r})") from None
+            except Exception as err:
+                raise OptionError("entry", f"{entry!r}: importing {path} raised {type(err).__name__}: {err}") from None
+            sys.modules[name] = mod
+        fn = getattr(sys.modules[name], attr, None)
+        if fn is None:
+            raise OptionError("entry", f"{entry!r}: {path} has no attribute {attr!r}")
+    else:
+        try:
+            fn = import_object(entry)
+        except RegistryError as err:
+            raise OptionError("entry", str(err)) from None
+    if not callable(fn):
+        raise OptionError("entry", f"{entry!r} is not callable")
+    try:
+        inspect.signature(fn).bind(object(), "url")
+    except TypeError:
+        raise OptionError("entry", f"{entry!r} must take (task, base_url)") from None
+    except ValueError:
+        pass  # a builtin without a signature: trust it
+    return fn
+
+
+def _pool(size: int) -> concurrent.futures.ThreadPoolExecutor:
+    if size not in _POOLS:
+        _POOLS[size] = concurrent.futures.ThreadPoolExecutor(max_workers=size, thread_name_prefix="srpo-agent")
+    return _POOLS[size]
+
+
+@dataclass
+class OpenAIAgent(Workflow):
+    """A team written against the OpenAI API, run unchanged through srpo's gateway."""
+
+    name = "openai_agent"
+    option_aliases = {"roles": "role_names"}
+
+    entry: str = ""
+    """The program: package.module:function or path/to/file.py:function, called as (task, base_url)."""
+    role_names: list[str] = field(default_factory=list)
+    """The roles the program names as ``model`` (option ``roles``); each is trained (model.role_groups
+    may let several share one policy)."""
+    timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    """An episode whose program has not returned by then is failed (counted)."""
+    host: str = "127.0.0.1"
+    """Where the gateway listens (loopback: other machines cannot reach the training endpoint)."""
+    port: Annotated[int, Field(ge=0, le=65535)] = 0
+    """The gateway's port (0: one the OS picks, kept for the process)."""
+    batch_window_s: Annotated[float, Field(ge=0)] = 0.02
+    """How long a batch waits for more calls once every live episode has one pending (parallel calls
+    a program sends from several threads arrive a few milliseconds apart)."""
+    max_batch_wait_s: Annotated[float, Field(gt=0)] = 2.0
+    """The longest the pending calls wait for an episode whose program is busy with something else."""
+    max_threads: Count = 256
+    """Worker threads for plain-function programs (one per live episode is needed)."""
+
+    def __post_init__(self):
+        if not self.entry:
+            raise OptionError("entry", "the openai_agent workflow needs entry: package.module:function")
+        if not self.role_names:
+            raise OptionError("roles", "name the roles the program calls as model=..., e.g. [solver, judge]")
+        for role in self.role_names:
+            if not ROLE_NAME.match(role):
+                raise OptionError("roles", f"{role!r} is not a usable role name (letters, digits, _ . : -)")
+        if len(set(self.role_names)) != len(self.role_names):
+            raise OptionError("roles", f"a role is named twice: {self.role_names}")
+        self._program = load_entry(self.entry)
+
+    def roles(self) -> list[str]:
+        return list(self.role_names)
+
+    def default_role_specs(self) -> dict[str, RoleSpec]:
+        # The program writes the messages; the role settings give the sampling defaults and the
+        # token budget a request's max_tokens is capped at.
+        params = SamplingParams(temperature=self.temperature, max_new_tokens=self.max_new_tokens)
+        return {r: RoleSpec(r, sampling=params) for r in self.roles()}
+
+    async def run(self, ctx, task):
+        from srpo.gateway import server
+        from srpo.gateway.backends import EpisodeBackend
+        from srpo.gateway.dataflow import EpisodeRecorder
+
+        loop = asyncio.get_running_loop()
+        recorder = EpisodeRecorder(ctx.episode_id, task.task_id)
+        gateway = server.shared(self.host, self.port)
+        token = gateway.open(EpisodeBackend(ctx, loop, recorder, self.roles()))
+        url = gateway.url(token)
+        try:
+            if inspect.iscoroutinefunction(self._program):
+                result = await asyncio.wait_for(self._program(task, url), self.timeout_s)
+            else:
+                work = loop.run_in_executor(_pool(self.max_threads), self._program, task, url)
+                result = await asyncio.wait_for(work, self.timeout_s)
+        except asyncio.TimeoutError:
+            ctx.count("program_timeouts")
+            raise WorkflowError(f"{self.entry} did not return within {self.timeout_s:g} s "
+                                f"(workflow.options.timeout_s)") from None
+        finally:
+            gateway.close_episode(token)  # a program still running gets 404 from now on
+            ctx.events.extend(recorder.finish())
+        if result is None or isinstance(result, str):
+            return result or ""
+        if isinstance(result, (int, float)) and not isinstance(result, bool):
+            if not math.isfinite(result):
+                raise WorkflowError(f"{self.entry} returned the reward {result}")
+            ctx.reward = float(result)
+            return ""
+        raise WorkflowError(f"{self.entry} returned a {type(result).__name__}; return the answer (str) "
+                            f"or a reward (float)")
+
+
+register_workflow(OpenAIAgent)
