@@ -235,6 +235,9 @@ def _check_workflow(cfg: Config, kind_name: str) -> None:
         raise ConfigError(f"workflow.options.{err}") from None
     except (TypeError, ValueError) as err:  # a check across options (e.g. max_chosen > num_workers)
         raise ConfigError(f"workflow.options: {err}") from None
+    if "entry" in cfg.workflow.options and getattr(built, "entry", None):
+        # The program as loaded (a relative file path made absolute): what the checkpoint records.
+        cfg.workflow.options["entry"] = built.entry
     if needs_retriever(cfg.workflow.name) and not cfg.task.corpus and not cfg.retriever.url:
         raise ConfigError(f"task.corpus: the {cfg.workflow.name} workflow needs a corpus (a jsonl path or synthetic_kb) "
                           f"or a retrieval server (retriever.url)")

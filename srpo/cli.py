@@ -3,6 +3,7 @@
     srpo train     train a workflow from a YAML config (``--resume``, ``--overwrite``; under torchrun too)
     srpo sft       supervised warm start of every role (transcripts from a file or a scripted player)
     srpo eval      avg@k / pass@k of a model, a checkpoint or a warm start in a workflow
+    srpo serve     the OpenAI-compatible endpoint on a trained team (each role its policy)
     srpo demo      SRPO on the embedded SmolLM2-135M: evaluate, train, evaluate, report
     srpo study     methods × workflows × seeds grids with paired, corrected comparisons (resumable)
     srpo report    plots and a summary page for a run folder
@@ -135,6 +136,32 @@ def _sft_output_for_eval(model: str) -> Path | None:
     return None
 
 
+def _model_config(args) -> tuple[dict, Path | None]:
+    """The config ``--model`` (and ``--workflow``/``--options``) describe, as a dict to complete,
+    and the training checkpoint whose weights to load (None: a model name, path or warm start)."""
+    from srpo import build
+
+    checkpoint = _checkpoint_for_eval(args.model)
+    warm_start = _sft_output_for_eval(args.model) if checkpoint is None else None
+    if checkpoint is not None:  # a training checkpoint: rebuild its layout and load its weights
+        data = build.checkpoint_config(checkpoint)
+    elif warm_start is not None:  # srpo sft's output: its base model, layout and workflow, its weights
+        data = json.loads((warm_start / "config.json").read_text())
+        data["model"]["init_from"] = str(warm_start / "model")
+        print(f"the warm start in {warm_start}", file=sys.stderr)
+    else:
+        data = {"model": {"name": args.model, "layout": "shared"}}
+    # The workflow: --workflow, else the one the checkpoint or warm start was trained in, else single.
+    workflow_ = data.setdefault("workflow", {})
+    workflow_["name"] = args.workflow or workflow_.get("name") or "single"
+    if args.workflow or args.options:
+        try:
+            workflow_["options"] = json.loads(args.options) if args.options else {}
+        except json.JSONDecodeError as err:
+            raise UsageError(f"--options {args.options!r}: not JSON ({err.msg})") from None
+    return data, checkpoint
+
+
 def _eval(args) -> int:
     import torch
 
@@ -146,24 +173,8 @@ def _eval(args) -> int:
     from srpo.workflows.builtins import WORKFLOWS
 
     sources = _parse_data(args.data)
-    checkpoint = _checkpoint_for_eval(args.model)
-    warm_start = _sft_output_for_eval(args.model) if checkpoint is None else None
-    if checkpoint is not None:  # a training checkpoint: rebuild its layout and load its weights
-        data = build.checkpoint_config(checkpoint)
-    elif warm_start is not None:  # srpo sft's output: its base model, layout and workflow, its weights
-        data = json.loads((warm_start / "config.json").read_text())
-        data["model"]["init_from"] = str(warm_start / "model")
-        print(f"evaluating the warm start in {warm_start}", file=sys.stderr)
-    else:
-        data = {"model": {"name": args.model, "layout": "shared"}}
-    # The workflow: --workflow, else the one the checkpoint or warm start was trained in, else single.
-    workflow_ = data.setdefault("workflow", {})
-    workflow_["name"] = args.workflow or workflow_.get("name") or "single"
-    if args.workflow or args.options:
-        try:
-            workflow_["options"] = json.loads(args.options) if args.options else {}
-        except json.JSONDecodeError as err:
-            raise UsageError(f"--options {args.options!r}: not JSON ({err.msg})") from None
+    data, checkpoint = _model_config(args)
+    workflow_ = data["workflow"]
     kind = args.kind
     if kind is None and workflow_["name"] in WORKFLOWS:
         kind = WORKFLOWS[workflow_["name"]].kind if WORKFLOWS.meta(workflow_["name"])["needs_retriever"] else None
@@ -200,6 +211,45 @@ def _eval(args) -> int:
     if args.out:
         js, md = write_results(results, Path(args.out), "eval", f"{args.model} — {cfg.workflow.name}")
         print(f"written: {js}, {md}")
+    return 0
+
+
+def _serve(args) -> int:
+    import torch
+
+    from srpo import build
+    from srpo.build import config_from_dict
+    from srpo.config import apply_overrides
+    from srpo.gateway.backends import ServeBackend
+    from srpo.gateway.server import GatewayError, serve_forever
+
+    data, checkpoint = _model_config(args)
+    if args.engine:
+        data.setdefault("rollout", {})["engine"] = args.engine
+    if args.max_new_tokens:
+        data["workflow"]["max_new_tokens"] = args.max_new_tokens
+    data.setdefault("task", {}).setdefault("kind", "math")
+    apply_overrides(data, args.set)
+    cfg = config_from_dict(data, training=False)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    team = build.team(cfg)
+    if checkpoint is not None:
+        team.policies.load_pretrained_weights(checkpoint / "model")
+    engine = build.engine(cfg, team.policies)
+    backend = ServeBackend(engine, team.policies, team.role_specs, autocast=build.autocast(cfg), seed=args.seed,
+                           max_prompt_tokens=cfg.workflow.max_prompt_tokens)
+
+    def ready(host, port):
+        print(f"serving {', '.join(backend.roles)} ({args.model}) at http://{host}:{port}/v1 — Ctrl-C stops",
+              flush=True)
+
+    try:
+        serve_forever(backend, args.host, args.port, ready=ready)
+    except GatewayError as err:
+        raise UsageError(str(err)) from None
+    finally:
+        engine.close()
     return 0
 
 
@@ -366,6 +416,23 @@ def _add_run_commands(sub) -> None:
     p.add_argument("--threads", type=_number(int, 0, "an integer ≥ 0"), default=0)
     p.add_argument("--out", default="", help="folder for eval.json and eval.md")
     p.set_defaults(func=_eval)
+
+    p = sub.add_parser("serve", help="the OpenAI-compatible endpoint on a trained team (model = a role's name)")
+    p.add_argument("--model", required=True,
+                   help="a run folder, a checkpoint, srpo sft's output folder, or a model name/path (then --workflow)")
+    p.add_argument("--workflow", default=None, help="default: the workflow the checkpoint was trained in, else single")
+    p.add_argument("--options", default="", help="workflow options as JSON (with --workflow)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=_number(int, 0, "a port number"), default=8000, help="0: any free port")
+    p.add_argument("--engine", choices=["builtin", "vllm"], default=None,
+                   help="what samples (default: the run's rollout.engine)")
+    p.add_argument("--max-new-tokens", type=_number(int, 0, "an integer ≥ 0"), default=0,
+                   help="each role's token budget, the cap of a request's max_tokens (default: the run's)")
+    p.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="override fields of the serving config (e.g. workflow.roles.judge.temperature=0)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=_number(int, 0, "an integer ≥ 0"), default=0)
+    p.set_defaults(func=_serve)
 
     p = sub.add_parser("demo", help="SRPO on the embedded SmolLM2-135M: eval, train, eval, report")
     p.add_argument("--output-dir", default=None, help="run folder (default runs/demo); a previous demo run in it is replaced")

@@ -42,6 +42,15 @@ ROLE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
 _POOLS: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
 
 
+def absolute_entry(entry: str) -> str:
+    """``entry`` with a relative file path made absolute (against the working folder), so that a
+    checkpoint's config names the same program wherever it is read from."""
+    module, sep, attr = entry.rpartition(":")
+    if module.endswith(".py") and not Path(module).is_absolute():
+        return f"{Path(module).resolve()}{sep}{attr}"
+    return entry
+
+
 def load_entry(entry: str) -> Callable[..., Any]:
     """``package.module:function`` or ``path/to/file.py:function`` → the function."""
     module, _, attr = entry.rpartition(":")
@@ -124,6 +133,7 @@ class OpenAIAgent(Workflow):
         if len(set(self.role_names)) != len(self.role_names):
             raise OptionError("roles", f"a role is named twice: {self.role_names}")
         self._program = load_entry(self.entry)
+        self.entry = absolute_entry(self.entry)
 
     def roles(self) -> list[str]:
         return list(self.role_names)

@@ -1,0 +1,127 @@
+"""The built-in workflows rewritten with nothing but the ``openai`` client, for the gateway's
+equivalence tests (tests/test_gateway.py).  Each is what a user would write: no srpo import."""
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+from openai import AsyncOpenAI, OpenAI
+
+
+def _client(url):
+    return OpenAI(base_url=url, api_key="unused", max_retries=0)
+
+
+def _ask(client, model, content, **kw):
+    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}], **kw)
+    return reply.choices[0].message.content or ""
+
+
+def single(task, url):
+    return _ask(_client(url), "solver", task.question)
+
+
+def solver_verifier(task, url, rounds=2):
+    client, content, solution = _client(url), task.question, ""
+    for _ in range(rounds):
+        solution = _ask(client, "solver", content)
+        verdict = _ask(client, "verifier", f"Problem: {task.question}\n\nProposed solution:\n{solution}")
+        if verdict.strip().upper().startswith("ACCEPT"):
+            break
+        content = (f"{task.question}\n\nA previous attempt:\n{solution}\n\nFeedback on it:\n{verdict}\n\n"
+                   f"Solve it again.")
+    return solution
+
+
+def _aggregate(client, task, answers):
+    listing = "\n".join(f"({i}) {a}" for i, a in enumerate(answers, 1))
+    return _ask(client, "aggregator", f"Problem: {task.question}\n\nAnswers proposed by other solvers:\n{listing}\n\n"
+                                      f"Decide which answer is correct and give it.")
+
+
+def parallel_aggregate(task, url, workers=3):
+    client = _client(url)
+    with ThreadPoolExecutor(workers) as pool:
+        answers = list(pool.map(lambda i: _ask(client, f"worker_{i}", task.question), range(1, workers + 1)))
+    return _aggregate(client, task, answers)
+
+
+def routed(task, url, workers=3):
+    client = _client(url)
+    # The router's reply steers the code but is never quoted: tag it as its own transition.
+    choice = _ask(client, "router", task.question, extra_headers={"x-srpo-event": "router"})
+    chosen = sorted({int(n) for n in re.findall(r"\d+", choice.split("WORKERS:")[-1]) if 1 <= int(n) <= workers})
+    chosen = chosen or list(range(1, workers + 1))
+    with ThreadPoolExecutor(len(chosen)) as pool:
+        answers = list(pool.map(lambda i: _ask(client, f"worker_{i}", task.question), chosen))
+    return _aggregate(client, task, answers)
+
+
+async def parallel_aggregate_async(task, url, workers=3):
+    import asyncio
+
+    client = AsyncOpenAI(base_url=url, api_key="unused", max_retries=0)
+
+    async def ask(model, content):
+        reply = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}])
+        return reply.choices[0].message.content or ""
+
+    answers = await asyncio.gather(*[ask(f"worker_{i}", task.question) for i in range(1, workers + 1)])
+    listing = "\n".join(f"({i}) {a}" for i, a in enumerate(answers, 1))
+    return await ask("aggregator", f"Problem: {task.question}\n\nAnswers:\n{listing}\n\nGive the correct one.")
+
+
+def reward_of_length(task, url):
+    """Returns a reward, not an answer."""
+    return len(_ask(_client(url), "solver", task.question)) / 100.0
+
+
+def raises_sometimes(task, url):
+    answer = _ask(_client(url), "solver", task.question)
+    if task.question.endswith("1?"):
+        raise RuntimeError("the program broke on this one")
+    return answer
+
+
+def sleeps(task, url):
+    import time
+
+    answer = _ask(_client(url), "solver", task.question)
+    if task.question.endswith("1?"):
+        time.sleep(30)  # past the workflow's timeout_s in the test
+    return answer
+
+
+def langgraph_team(task, url):
+    """Two solvers in parallel and a judge, as a LangGraph graph over langchain-openai's ChatOpenAI."""
+    from typing import TypedDict
+
+    from langchain_openai import ChatOpenAI
+    from langgraph.graph import END, START, StateGraph
+
+    def model(name):
+        return ChatOpenAI(model=name, base_url=url, api_key="unused", max_retries=0, temperature=1.0)
+
+    class State(TypedDict, total=False):
+        question: str
+        first: str
+        second: str
+        final: str
+
+    def solver(name, key):
+        def node(state):
+            return {key: model(name).invoke(state["question"]).content}
+        return node
+
+    def judge(state):
+        prompt = f"{state['question']}\nAnswer 1: {state['first']}\nAnswer 2: {state['second']}\nWhich is right?"
+        return {"final": model("judge").invoke(prompt).content}
+
+    graph = StateGraph(State)
+    graph.add_node("solver_1", solver("solver_1", "first"))
+    graph.add_node("solver_2", solver("solver_2", "second"))
+    graph.add_node("judge", judge)
+    graph.add_edge(START, "solver_1")
+    graph.add_edge(START, "solver_2")
+    graph.add_edge(["solver_1", "solver_2"], "judge")
+    graph.add_edge("judge", END)
+    return graph.compile().invoke({"question": task.question})["final"]
