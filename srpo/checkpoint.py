@@ -114,8 +114,12 @@ def remove_stale_temporaries(run_dir: Path) -> list[Path]:
     """Delete half-written checkpoint folders left by a killed writer; return what was removed.
 
     Only call it while holding the run lock: then no other process is writing one."""
+    from srpo.run_dir import owned
+
     root = Path(run_dir) / "checkpoints"
-    stale = [p for p in root.glob(f"{TEMP_PREFIX}*") if p.is_dir()] if root.is_dir() else []
+    if root.is_symlink() or "checkpoints" not in owned(run_dir):
+        return []  # not srpo's folder (yet): nothing in it is srpo's to delete
+    stale = [p for p in root.glob(f"{TEMP_PREFIX}*") if p.is_dir() and not p.is_symlink()]
     for p in stale:
         shutil.rmtree(p, ignore_errors=True)
     if stale:

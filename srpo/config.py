@@ -321,6 +321,10 @@ class SftConfig(Section):
     """Turns per optimizer step."""
     output_dir: str = "runs/sft"
     """Where the fine-tuned weights (``model/``), the transcripts used and the loss log go."""
+    max_turn_tokens: NonNegativeInt = 0
+    """The longest turn (prompt + answer tokens) trained on (0: the model's context length)."""
+    long_turns: Literal["skip", "truncate"] = "skip"
+    """A longer turn is skipped, or its answer (then its prompt's start) cut to fit; counted either way."""
 
 
 class CheckpointConfig(Section):

@@ -5,9 +5,15 @@
   killed run is *stale*: the next run takes it over (and says so).  A second live process on the
   same folder is refused with the holder's pid, host and start time.  (``flock`` is per host: on
   a network file system shared by several hosts, give each run its own folder.)
-- :func:`previous_run` names what a folder already holds of another run (metrics, samples,
-  checkpoints, tracker logs); a new run refuses such a folder unless asked to overwrite,
-  and :func:`clear_previous_run` removes exactly those artefacts — nothing else in the folder.
+- **srpo deletes only what it wrote.**  A run records in ``<run>/.srpo-owned.json`` the names it
+  creates (metrics, samples, checkpoints, the logs of the trackers it uses); :func:`claim` refuses a
+  folder that holds a previous run's recorded artefacts unless asked to overwrite, and then
+  removes exactly those.  Anything srpo did not record — a user's own ``wandb/`` or
+  ``checkpoints/``, or a whole home folder given as the run folder — is never deleted; where this
+  run would write into it, the run is refused.
+- **No writing through links srpo did not make.**  srpo never creates symbolic links in a run
+  folder, so one found where it would write (the lock, an artefact) refuses the run before
+  anything is opened — a planted link cannot make srpo truncate or delete the file it points to.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".lock"
+OWNED_FILE = ".srpo-owned.json"  # the names srpo created in this folder
 # What a training run writes into its folder; anything else (evaluation files, notes) is the
 # user's or another command's and is neither a reason to refuse nor deleted on overwrite.
 RUN_ARTEFACTS = ("metrics.jsonl", "samples.jsonl", "checkpoints", "tensorboard", "trackers.json", "wandb", "mlruns")
@@ -46,7 +53,9 @@ class RunLock:
     def acquire(self) -> "RunLock":
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            f = open(self.path, "a+")
+            refuse_links(self.run_dir, [LOCK_FILE])
+            # O_NOFOLLOW: a link planted after the check still cannot redirect the truncation below.
+            f = os.fdopen(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644), "a+")
         except OSError as err:
             raise RunDirError(f"cannot use {self.run_dir} as the run folder: {err.strerror or err}") from None
         try:
@@ -104,30 +113,84 @@ def _read_record(f) -> dict:
         return {}
 
 
-def previous_run(run_dir: str | Path) -> list[str]:
-    """The artefacts of a run already in ``run_dir`` (empty when there are none)."""
-    run_dir = Path(run_dir)
-    found = []
-    for name in RUN_ARTEFACTS:
-        p = run_dir / name
-        if p.is_file() and p.stat().st_size > 0:
-            found.append(name)
-        elif p.is_dir() and any(p.iterdir()):
-            found.append(f"{name}/")
-    return found
+def refuse_links(folder: str | Path, names) -> None:
+    """Raise :class:`RunDirError` if any of ``names`` in ``folder`` is a symbolic link."""
+    for name in names:
+        path = Path(folder) / name
+        if path.is_symlink():
+            raise RunDirError(f"{path} is a symbolic link srpo did not make (to {os.readlink(path)}); srpo writes "
+                              f"only its own files in a run folder — remove the link or choose another folder")
 
 
-def clear_previous_run(run_dir: str | Path) -> list[str]:
-    """Delete the artefacts :func:`previous_run` names; return them."""
+def owned(folder: str | Path) -> set[str]:
+    """The names srpo recorded creating in ``folder`` (empty: none, or a folder from before records)."""
+    path = Path(folder) / OWNED_FILE
+    if path.is_symlink() or not path.is_file():
+        return set()
+    try:
+        data = json.loads(path.read_text())
+        return {n for n in data.get("created", []) if isinstance(n, str) and "/" not in n and n not in ("", ".", "..")}
+    except (OSError, ValueError, AttributeError):
+        return set()
+
+
+def record_owned(folder: str | Path, names) -> None:
+    """Record that srpo creates ``names`` in ``folder`` (atomically; replaces the previous record)."""
+    from srpo.fileio import write_text_atomic
+
+    refuse_links(folder, [OWNED_FILE])
+    write_text_atomic(Path(folder) / OWNED_FILE, json.dumps({"created": sorted(set(names))}, indent=1))
+
+
+def _present(path: Path) -> bool:
+    return (path.is_file() and path.stat().st_size > 0) or (path.is_dir() and any(path.iterdir()))
+
+
+def previous_run(run_dir: str | Path, writes=RUN_ARTEFACTS) -> tuple[list[str], list[str]]:
+    """``(ours, foreign)``: the previous run's artefacts srpo recorded writing, and those among the
+    names this run ``writes`` that are present but srpo never recorded (a user's own)."""
     run_dir = Path(run_dir)
-    found = previous_run(run_dir)
-    for name in RUN_ARTEFACTS:
-        p = run_dir / name
+    mine = owned(run_dir)
+    ours, foreign = [], []
+    order = {name: i for i, name in enumerate(RUN_ARTEFACTS)}
+    for name in sorted(mine | set(writes), key=lambda n: (order.get(n, len(order)), n)):
+        path = run_dir / name
+        if not _present(path):
+            continue
+        label = f"{name}/" if path.is_dir() else name
+        (ours if name in mine else foreign).append(label)
+    return ours, foreign
+
+
+def _delete(path: Path) -> None:
+    if path.is_symlink():  # a link srpo did not make: remove the link, never what it points to
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)  # does not follow links inside
+    elif path.exists():
+        path.unlink()
+
+
+def claim(run_dir: str | Path, writes, *, overwrite: bool, resume_hint: str = "continue it with --resume, ") -> list[str]:
+    """Make ``run_dir`` this run's: refuse links where it writes, refuse a user's files where it
+    writes, refuse (or with ``overwrite`` delete) a previous run's recorded artefacts, then record
+    ``writes`` as this run's.  Returns what was deleted."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    refuse_links(run_dir, [OWNED_FILE, *writes])
+    ours, foreign = previous_run(run_dir, writes)
+    if foreign:
+        raise RunDirError(
+            f"{run_dir} holds {', '.join(foreign)}, which srpo did not write (no record in {OWNED_FILE}); this run "
+            f"would write there, and srpo never deletes or mixes into what it did not write — move them, or choose "
+            f"another folder")
+    if ours and not overwrite:
+        raise RunDirError(f"{run_dir} holds a previous run ({', '.join(ours)}); {resume_hint}"
+                          f"replace it with --overwrite, or choose another folder")
+    for label in ours:
         try:
-            if p.is_dir():
-                shutil.rmtree(p)
-            elif p.exists():
-                p.unlink()
+            _delete(run_dir / label.rstrip("/"))
         except OSError as err:
-            raise RunDirError(f"--overwrite: cannot delete {p} ({err.strerror or err})") from None
-    return found
+            raise RunDirError(f"--overwrite: cannot delete {run_dir / label} ({err.strerror or err})") from None
+    record_owned(run_dir, writes)
+    return ours

@@ -78,8 +78,13 @@ def read_transcripts(path: str | Path) -> list[dict[str, Any]]:
                 raise DatasetError(f"{where}: a turn needs a 'role'")
             if not isinstance(t.get("output"), str) or not t["output"]:
                 raise DatasetError(f"{where}: a turn needs a non-empty 'output'")
-            if not isinstance(t.get("input"), str) and not isinstance(t.get("prompt"), str):
+            if not isinstance(t.get("input"), str) and not isinstance(t.get("prompt"), str) and "prompt_ids" not in t:
                 raise DatasetError(f"{where}: a turn needs an 'input' (the content given to the role) or a 'prompt'")
+            ids = t.get("prompt_ids")
+            if ids is not None and (not isinstance(ids, list) or not ids
+                                    or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+                raise DatasetError(f"{where}: 'prompt_ids' must be a non-empty list of token ids (integers ≥ 0)")
+        episode["_where"] = f"{path}, line {n}"  # named by later checks (ids beyond the vocabulary)
         episodes.append(episode)
     return episodes
 
@@ -132,29 +137,63 @@ def scripted_transcripts(cfg: Config, script: Callable[[str, str, Task], str], e
     return kept, stats
 
 
-def examples_from(episodes: list[dict], specs, tokenizer) -> list[Example]:
-    """Tokenized (prompt, completion) pairs; prompts from ``input`` are built as the runtime builds them."""
+def examples_from(episodes: list[dict], specs, tokenizer, *, max_tokens: int = 0, long_turns: str = "skip",
+                  counts: dict[str, int] | None = None) -> list[Example]:
+    """Tokenized (prompt, completion) pairs; prompts from ``input`` are built as the runtime builds them.
+
+    A turn longer than ``max_tokens`` (prompt + answer; 0: no limit) is skipped or, with
+    ``long_turns="truncate"``, cut to fit — its answer's end first, then its prompt's start —
+    counted in ``counts`` (``long_turns_skipped`` / ``long_turns_truncated``): a runaway turn
+    costs itself, never the machine's memory."""
     from srpo.workflows.runtime import render_prompt_ids
 
+    counts = counts if counts is not None else {}
+    vocab = len(tokenizer)
     out = []
     for e_i, episode in enumerate(episodes):
-        for t in episode["turns"]:
+        where = episode.get("_where", f"transcript episode {e_i + 1}")
+        for n_turn, t in enumerate(episode["turns"]):
             role = t["role"]
             if role not in specs:
-                raise DatasetError(f"transcript episode {e_i + 1}: role {role!r} is not a role of this workflow "
+                raise DatasetError(f"{where}: role {role!r} is not a role of this workflow "
                                    f"({', '.join(sorted(specs))})")
             spec = specs[role]
             if isinstance(t.get("prompt_ids"), list):  # scripted transcripts: the ids the workflow built
                 prompt_ids = [int(i) for i in t["prompt_ids"]]
+                bad = [i for i in prompt_ids if not 0 <= i < vocab]
+                if bad:
+                    raise DatasetError(f"{where}, turn {n_turn}: prompt_ids holds {bad[0]}, outside this model's "
+                                       f"vocabulary of {vocab} (written for another tokenizer?)")
             elif isinstance(t.get("prompt"), str):
                 prompt_ids = tokenizer(t["prompt"], add_special_tokens=False)["input_ids"]
             else:
                 prompt_ids = render_prompt_ids(tokenizer, spec, t["input"], t.get("prefix", ""))
-            ids = tokenizer(t["output"], add_special_tokens=False)["input_ids"]
+            if max_tokens and len(t["output"]) > 64 * max_tokens:  # far too long: not even tokenized whole
+                output = t["output"][: 64 * max_tokens]
+            else:
+                output = t["output"]
+            ids = tokenizer(output, add_special_tokens=False)["input_ids"]
             if tokenizer.eos_token_id is not None and not any(t["output"].endswith(s) for s in spec.sampling.stop):
                 ids = ids + [tokenizer.eos_token_id]  # learn to stop where the output stops
+            if max_tokens and len(prompt_ids) + len(ids) > max_tokens:
+                if long_turns == "skip" or len(prompt_ids) >= max_tokens:
+                    counts["long_turns_skipped"] = counts.get("long_turns_skipped", 0) + 1
+                    if counts["long_turns_skipped"] == 1:
+                        log.warning("%s, turn %d: %d tokens, more than the %d trained on; skipped (counted; "
+                                    "sft.long_turns: truncate keeps its start)", where, n_turn,
+                                    len(prompt_ids) + len(ids), max_tokens)
+                    continue
+                ids = ids[: max_tokens - len(prompt_ids)]
+                counts["long_turns_truncated"] = counts.get("long_turns_truncated", 0) + 1
             out.append(Example(role, prompt_ids, ids))
     return out
+
+
+def context_length(policies, fallback: int = 4096) -> int:
+    """The longest sequence the team's models take (their ``max_position_embeddings``)."""
+    lengths = [getattr(getattr(m, "config", None), "max_position_embeddings", None) for m in policies.modules()]
+    lengths = [n for n in lengths if isinstance(n, int) and n > 0]
+    return min(lengths) if lengths else fallback
 
 
 # ----------------------------------------------------------------------------- training
@@ -252,15 +291,31 @@ def check_sft_config(cfg: Config) -> None:
         raise ConfigError(f"sft.lr: must be > 0, got {s.lr}")
 
 
-def run_sft(cfg: Config, progress: bool = True) -> Path:
+SFT_ARTEFACTS = ("model", "transcripts.jsonl", "sft_metrics.jsonl", "sft.json", "config.json")
+
+
+def run_sft(cfg: Config, progress: bool = True, overwrite: bool = False) -> Path:
     """The whole stage: transcripts (file or script) → examples → fine-tuned policies saved to
-    ``<sft.output_dir>/model``.  Returns that folder."""
-    from srpo.registry import import_object
+    ``<sft.output_dir>/model``.  Returns that folder.
+
+    The output folder is claimed as a training run's is (:mod:`srpo.run_dir`): locked while this
+    runs, refused when it holds another fine-tuning's output unless ``overwrite`` (which deletes
+    exactly what srpo sft wrote there), never written through a link srpo did not make."""
+    from srpo import run_dir as run_folder
 
     check_sft_config(cfg)
+    out = Path(cfg.sft.output_dir)
+    with run_folder.RunLock(out):
+        deleted = run_folder.claim(out, SFT_ARTEFACTS, overwrite=overwrite, resume_hint="")
+        if deleted:
+            log.warning("--overwrite: deleted the previous fine-tuning's %s in %s", ", ".join(deleted), out)
+        return _run_sft(cfg, out, progress)
+
+
+def _run_sft(cfg: Config, out: Path, progress: bool) -> Path:
+    from srpo.registry import import_object
+
     s = cfg.sft
-    out = Path(s.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     team = build.team(cfg)
     tokenizer = team.policies.tokenizer
     if s.data:
@@ -273,7 +328,13 @@ def run_sft(cfg: Config, progress: bool = True) -> Path:
             raise DatasetError(f"{s.script}: none of {s.episodes} scripted episodes reached reward {s.min_reward} "
                                f"(mean reward {stats['mean_reward']:.3f}); check the script")
         write_text_atomic(out / "transcripts.jsonl", "".join(json.dumps(e) + "\n" for e in episodes))
-    examples = examples_from(episodes, team.role_specs, tokenizer)
+    counts: dict[str, int] = {}
+    examples = examples_from(episodes, team.role_specs, tokenizer,
+                             max_tokens=s.max_turn_tokens or context_length(team.policies), long_turns=s.long_turns,
+                             counts=counts)
+    if not examples:
+        raise DatasetError(f"no turn to train on: {counts.get('long_turns_skipped', 0)} were longer than "
+                           f"{s.max_turn_tokens or context_length(team.policies)} tokens (sft.max_turn_tokens)")
     log_path = out / "sft_metrics.jsonl"
     log_path.write_text("")
 
@@ -288,7 +349,7 @@ def run_sft(cfg: Config, progress: bool = True) -> Path:
     for m in team.policies.modules():
         m.eval()
     team.policies.save_pretrained(out / "model")
-    summary = {**stats, "examples": len(examples), "steps": len(history),
+    summary = {**stats, **counts, "examples": len(examples), "steps": len(history),
                "loss_first": history[0]["loss"] if history else None, "loss_last": history[-1]["loss"] if history else None,
                "by_role": {r: sum(1 for e in examples if e.role == r) for r in sorted({e.role for e in examples})}}
     write_text_atomic(out / "sft.json", json.dumps(summary, indent=1))

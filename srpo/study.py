@@ -52,6 +52,7 @@ from srpo.config import ConfigError, DataSource, Float, Section, apply_overrides
 from srpo import build, stats
 from srpo.fileio import write_text_atomic
 from srpo.metrics_log import read_metrics
+from srpo.run_dir import owned, refuse_links
 from srpo.stats import mean_se
 
 
@@ -336,8 +337,10 @@ def run_cell(spec: dict, cell: dict, root: Path, progress: bool = True, train: b
               "minutes": (time.perf_counter() - started) / 60, "recipe": recipe,
               "environment": environment(eval_seed)}
     write_text_atomic(done, json.dumps(record, indent=1))
-    if not spec.get("keep_checkpoints", True):
+    if not spec.get("keep_checkpoints", True) and "checkpoints" in owned(run_dir) \
+            and not (run_dir / "checkpoints").is_symlink():
         # Only after cell.json is written: an interrupted cell keeps its checkpoints to resume from.
+        # Only the checkpoints its training recorded writing (srpo.run_dir): never a folder it did not make.
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     return record
 
@@ -438,6 +441,7 @@ def run_study(path: str | Path, progress: bool = True, only: int | None = None,
     spec = load_study(path)
     root = Path(spec["output_dir"])
     root.mkdir(parents=True, exist_ok=True)
+    refuse_links(root, STUDY_FILES)  # srpo writes only real files of its own in a study folder
     write_text_atomic(root / "study.yaml", Path(path).read_text())
     index, count = shard
     todo = cells(spec)
@@ -653,6 +657,9 @@ def _nan_to_none(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [_nan_to_none(v) for v in obj]
     return obj
+
+
+STUDY_FILES = ("study.yaml", "results.md", "results.json", "results.png", "mechanism.png")
 
 
 def write_results(root: Path, records: list[dict], spec: dict) -> None:

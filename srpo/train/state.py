@@ -21,7 +21,8 @@ import torch
 
 from srpo.checkpoint import (CheckpointError, CorruptCheckpoint, candidates, load_checkpoint, new_temporary, rng_state,
                              save_checkpoint, set_rng_state)
-from srpo.run_dir import RunDirError, clear_previous_run, previous_run
+from srpo import run_dir as run_folder
+from srpo.run_dir import RunDirError
 
 log = logging.getLogger(__name__)
 
@@ -44,21 +45,34 @@ def on_rank0_agreed(backend, action, failure: Exception):
     return result
 
 
+def run_artefacts(cfg) -> list[str]:
+    """The names a training run writes in its folder: logs, checkpoints, its trackers' files."""
+    tracker_dirs = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlruns"}
+    names = ["metrics.jsonl", "samples.jsonl", "checkpoints", "trackers.json"]
+    for backend in cfg.log.active_backends():
+        if backend in tracker_dirs and not (backend == "mlflow" and cfg.log.mlflow_tracking_uri):
+            names.append(tracker_dirs[backend])
+    return names
+
+
 def claim_fresh(trainer) -> None:
     """Start a new run in the folder: refuse another run's artefacts unless overwriting."""
     run_dir = trainer.run_dir
 
     def claim():
-        found = previous_run(run_dir)
-        if found and not trainer.overwrite:
-            raise RunDirError(
-                f"{run_dir} holds a previous run ({', '.join(found)}); continue it with --resume, "
-                f"replace it with --overwrite, or choose another run.output_dir")
-        if found:
-            clear_previous_run(run_dir)
-            log.warning("--overwrite: deleted the previous run's %s in %s", ", ".join(found), run_dir)
+        deleted = run_folder.claim(run_dir, run_artefacts(trainer.cfg), overwrite=trainer.overwrite)
+        if deleted:
+            log.warning("--overwrite: deleted the previous run's %s in %s", ", ".join(deleted), run_dir)
     on_rank0_agreed(trainer.backend, claim, RunDirError(f"rank 0 refused the run folder {run_dir}; see its message"))
     trainer.claimed = True
+
+
+def _adopt(trainer) -> None:
+    """A resumed run owns its folder's run artefacts (``--resume`` says the folder is this run's)."""
+    def adopt():
+        run_folder.refuse_links(trainer.run_dir, run_artefacts(trainer.cfg))
+        run_folder.record_owned(trainer.run_dir, run_folder.owned(trainer.run_dir) | set(run_artefacts(trainer.cfg)))
+    on_rank0_agreed(trainer.backend, adopt, RunDirError(f"rank 0 refused the run folder {trainer.run_dir}"))
 
 
 def trainer_state(trainer) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -125,6 +139,7 @@ def resume(trainer, path: Path | None = None) -> bool:
     warning naming what was wrong, and the one before it is tried.  The logs are cut back to the
     resumed step (to step 0 when there is no checkpoint).
     """
+    _adopt(trainer)  # before anything is read, cut back or deleted in the folder
     problems = []
     sharded = trainer.backend.sharded_optimizer_state
     for candidate in [Path(path)] if path is not None else candidates(trainer.run_dir):
