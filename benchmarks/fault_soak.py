@@ -2,16 +2,17 @@
 
     python benchmarks/fault_soak.py --kills 24 --steps 60          # the figures in the README
 
-One uninterrupted run is the reference.  The victim run is started, killed (SIGKILL or SIGINT,
-chosen at random) at a random moment after it has logged a step — mid-rollout, mid-update,
+One uninterrupted run is the reference.  The victim run is started, killed (SIGKILL, SIGINT or
+SIGTERM — a scheduler's preemption — chosen at random) at a random moment after it has logged a step — mid-rollout, mid-update,
 mid-checkpoint, mid-log-write — and started again with ``--resume``, until it finishes on its own
 with at least ``--kills`` kills behind it.  Then:
 
 - the final weights must equal the reference's bit for bit;
 - ``metrics.jsonl`` must hold every step once, in order, with the reference's values (timings
   aside), and ``samples.jsonl`` the reference's episodes;
-- every SIGINT must end the process (exit 130, or -2 at start-up or exit) within ``--sigint-timeout`` seconds — a hang is a
-  failure — and no half-written checkpoint folder may survive the next start.
+- every SIGINT must end the process (exit 130, or -2 at start-up or exit) and every SIGTERM (exit 143
+  after saving at the step's end, or -15 at start-up or exit) within ``--sigint-timeout`` seconds — a
+  hang is a failure — and no half-written checkpoint folder may survive the next start.
 
 Both runs use one thread, where training is bit-reproducible.  Exit status 0 when everything
 held; a JSON summary goes to ``--out``/soak.json.
@@ -34,6 +35,7 @@ TIMING_KEYS = ("time/",)
 # 130: srpo caught the Ctrl-C and said "interrupted"; -2: the signal ended the interpreter before
 # srpo's handler was in place or after it returned (start-up imports, exit).  Either is prompt.
 SIGINT_EXITS = {130, -signal.SIGINT}
+SIGTERM_EXITS = {143, -signal.SIGTERM}  # 143: saved at the next step end (srpo.preemption)
 
 
 def train_command(run_dir: Path, steps: int, resume: bool) -> list[str]:
@@ -116,7 +118,7 @@ def soak(out: Path, *, kills: int, steps: int, seed: int, max_delay: float, sigi
                 break
             log(f"start {starts}: finished before its kill (resumed run complete) — {len(events)} kills so far")
             break
-        sig = rng.choice([signal.SIGKILL, signal.SIGINT])
+        sig = rng.choice([signal.SIGKILL, signal.SIGINT, signal.SIGTERM])
         where = phase(victim)
         sent = time.perf_counter()
         proc.send_signal(sig)
@@ -144,8 +146,11 @@ def soak(out: Path, *, kills: int, steps: int, seed: int, max_delay: float, sigi
     samples_equal = rows(reference / "samples.jsonl") == rows(victim / "samples.jsonl")
     leftovers = [p.name for p in (victim / "checkpoints").glob(".step_*")]
     sigint = [e for e in events if e["signal"] == "SIGINT"]
+    sigterm = [e for e in events if e["signal"] == "SIGTERM"]
     summary = {
-        "kills": len(events), "sigkill": len(events) - len(sigint), "sigint": len(sigint),
+        "kills": len(events), "sigkill": len(events) - len(sigint) - len(sigterm), "sigint": len(sigint),
+        "sigterm": len(sigterm), "sigterm_exit_codes": sorted({e["rc"] for e in sigterm}),
+        "sigterm_exit_s_max": max((e["exit_s"] for e in sigterm), default=None),
         "kills_during_checkpoint_write": sum(e["phase"] == "checkpoint write" for e in events),
         "starts": starts, "steps": steps, "sigint_hangs": hangs,
         "sigint_exit_codes": sorted({e["rc"] for e in sigint}),
@@ -157,7 +162,8 @@ def soak(out: Path, *, kills: int, steps: int, seed: int, max_delay: float, sigi
     }
     summary["ok"] = bool(len(events) >= kills and weights_equal and metrics_equal and samples_equal and not hangs
                          and summary["metrics_steps"] and not leftovers
-                         and set(summary["sigint_exit_codes"]) <= SIGINT_EXITS)
+                         and set(summary["sigint_exit_codes"]) <= SIGINT_EXITS
+                         and set(summary["sigterm_exit_codes"]) <= SIGTERM_EXITS)
     (out / "soak.json").write_text(json.dumps(summary, indent=1))
     return summary
 

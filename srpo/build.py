@@ -54,6 +54,16 @@ def eval_sets(cfg: Config, sources: list[DataSource] | None = None, n: int | Non
     return out
 
 
+def data_fingerprint(cfg: Config, train: list[Task], eval_sets: dict[str, list[Task]]) -> dict[str, dict]:
+    """The fingerprint of the training data and of each loaded held-out set, by config field."""
+    from srpo.data import fingerprint
+
+    out = {"task.train": fingerprint(train, cfg.task.train)}
+    for i, (src, tasks) in enumerate(zip(cfg.task.eval, eval_sets.values())):
+        out[f"task.eval[{i}]"] = fingerprint(tasks, src)
+    return out
+
+
 def eval_workflows(cfg: Config, sources: list[DataSource] | None, workflow_: Any) -> dict[str, Any]:
     """The workflow each held-out set (``sources``, default ``task.eval``) runs in, by display name:
     ``workflow_`` itself, or — for a set with its own ``corpus`` — the same workflow searching that

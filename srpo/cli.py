@@ -24,14 +24,16 @@ from pathlib import Path
 
 
 def _train(args) -> int:
+    from srpo import preemption
     from srpo.build import load_config
     from srpo.train import Trainer, TrainingStopped
 
     if args.resume and args.overwrite:
         raise UsageError("--resume continues the folder's run and --overwrite deletes it: choose one")
     cfg = load_config(args.config, args.set)
+    preemption.install(cfg.run.preempt_grace_s)
     _maybe_init_distributed(cfg.run.device)
-    trainer = Trainer(cfg, overwrite=args.overwrite)
+    trainer = Trainer(cfg, overwrite=args.overwrite, allow_data_change=args.allow_data_change)
     code = 0
     try:
         if args.resume and not trainer.resume():
@@ -254,11 +256,13 @@ def _serve(args) -> int:
 
 
 def _sft(args) -> int:
+    from srpo import preemption
     from srpo.build import load_config
     from srpo.sft import check_sft_config, run_sft
 
     cfg = load_config(args.config, args.set)
     check_sft_config(cfg)  # before any model loads
+    preemption.install(cfg.run.preempt_grace_s)
     model = run_sft(cfg, overwrite=args.overwrite)
     print(f"done: fine-tuned weights in {model}; evaluate them with srpo eval --model {model.parent} --data ...; "
           f"start RL from them with --set model.init_from={model} (same model.layout: {cfg.model.layout})")
@@ -382,6 +386,8 @@ def _add_run_commands(sub) -> None:
     p.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
                    help="override config fields: --set train.lr=1e-5 run.steps=50 (values are YAML)")
     p.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    p.add_argument("--allow-data-change", action="store_true",
+                   help="with --resume: continue although the data changed since the checkpoint (refused otherwise)")
     p.add_argument("--overwrite", action="store_true",
                    help="delete a previous run's metrics, samples, checkpoints and TensorBoard logs in run.output_dir")
     p.set_defaults(func=_train)
@@ -477,8 +483,10 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("bm25s", "transformers", "peft"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
+    from srpo import preemption
     from srpo.checkpoint import CheckpointError
     from srpo.config import ConfigError
+    from srpo.preemption import Preempted
     from srpo.policies import ModelLoadError
     from srpo.run_dir import RunDirError
     from srpo.tasks import DatasetError
@@ -493,6 +501,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Preempted as err:  # SIGTERM/SIGUSR1: saved at a safe point (srpo.preemption)
+        print(f"stopped: {err}", file=sys.stderr)
+        return preemption.EXIT_CODE
     except Exception as err:  # noqa: BLE001 - the last line of defence: one message, not a traceback
         if args.verbose:
             traceback.print_exc()

@@ -78,6 +78,10 @@ class RunConfig(Section):
     """torch CPU threads (0: leave torch's default)."""
     device: Annotated[str, Field(pattern=r"^(cpu|cuda(:\d+)?)$")] = "cpu"
     """cpu or cuda (or cuda:N)."""
+    preempt_grace_s: NonNegative = 120.0
+    """After SIGTERM or SIGUSR1 (what Slurm and Kubernetes send before SIGKILL) the run saves a
+    checkpoint at its next step end and exits 143; if that takes longer than this, it exits at once
+    and the previous checkpoint stays valid (0: wait for the step however long it takes)."""
 
 
 class LoraConfig(Section):

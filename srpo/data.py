@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 from srpo.config import Config, DataSource
 from srpo.tasks.base import DatasetError, Task
@@ -139,3 +140,44 @@ def corpus_passages(spec: str) -> list[Passage]:
         except ValueError as err:
             raise DatasetError(f"{spec}: {err}" if "split" in str(err) else f"{spec}: n and seed must be integers") from None
     return load_corpus(spec)
+
+
+def fingerprint(tasks: list[Task], src: DataSource) -> dict[str, Any]:
+    """What identifies a data source's content: its row count, a SHA-256 over the loaded tasks (id,
+    question, answers, in order) and, for a file, its size — recorded in every checkpoint so that
+    ``--resume`` can tell when the data changed under the same path."""
+    import hashlib
+    import json as _json
+
+    digest = hashlib.sha256()
+    for t in tasks:
+        digest.update(_json.dumps([t.task_id, t.question, list(t.answers)]).encode())
+        digest.update(b"\n")
+    out: dict[str, Any] = {"source": src.source, "rows": len(tasks), "sha256": digest.hexdigest()}
+    path = Path(src.source)
+    if not src.source.startswith("hub:") and path.is_file():
+        out["bytes"] = path.stat().st_size
+    return out
+
+
+def fingerprint_changes(recorded: dict[str, dict], now: dict[str, dict]) -> list[str]:
+    """One line per data source whose fingerprint differs (empty: the same data)."""
+    lines = []
+    for key in sorted(set(recorded) | set(now)):
+        a, b = recorded.get(key), now.get(key)
+        if a == b:
+            continue
+        if a is None or b is None:
+            lines.append(f"{key}: {'added' if a is None else 'removed'} ({(a or b).get('source')})")
+            continue
+        what = []
+        if a.get("source") != b.get("source"):
+            what.append(f"source {a.get('source')} → {b.get('source')}")
+        if a.get("rows") != b.get("rows"):
+            what.append(f"{a.get('rows')} → {b.get('rows')} rows")
+        if a.get("bytes") != b.get("bytes") and "bytes" in a and "bytes" in b:
+            what.append(f"{a['bytes']} → {b['bytes']} bytes")
+        if a.get("sha256") != b.get("sha256"):
+            what.append("other content" + (" (same row count)" if a.get("rows") == b.get("rows") else ""))
+        lines.append(f"{key} ({b.get('source')}): {', '.join(what)}")
+    return lines

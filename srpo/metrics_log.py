@@ -78,9 +78,10 @@ class MetricsLogger:
             os.replace(tmp, p)
         self.purge_step = step + 1
 
-    def close(self) -> None:
+    def close(self, status: str = "finished") -> None:
+        """Close the trackers' runs; ``status="killed"`` marks them so (a preempted run)."""
         for tracker in self.trackers or []:
-            tracker.close()
+            tracker.close(status)
         self.trackers = None
 
 

@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 import torch
 
-from srpo import build
+from srpo import build, preemption
 from srpo.config import Config
 from srpo.fileio import write_text_atomic
 from srpo.tasks.base import DatasetError, Task
@@ -262,6 +262,10 @@ def train_sft(cfg: Config, examples: list[Example], policies, *, epochs: int, lr
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{row['loss']:.3f}")
+            if preemption.requested():  # a safe point: the weights are whole after an optimizer step
+                break
+        if preemption.requested():
+            break
     if bar is not None:
         bar.close()
     return history
@@ -349,9 +353,16 @@ def _run_sft(cfg: Config, out: Path, progress: bool) -> Path:
     for m in team.policies.modules():
         m.eval()
     team.policies.save_pretrained(out / "model")
+    signal_name = preemption.requested()
+    planned = s.epochs * math.ceil(len(examples) / s.batch_size)
     summary = {**stats, **counts, "examples": len(examples), "steps": len(history),
+               **({"stopped_early": f"{signal_name} after step {len(history)} of {planned}"} if signal_name else {}),
                "loss_first": history[0]["loss"] if history else None, "loss_last": history[-1]["loss"] if history else None,
                "by_role": {r: sum(1 for e in examples if e.role == r) for r in sorted({e.role for e in examples})}}
     write_text_atomic(out / "sft.json", json.dumps(summary, indent=1))
     write_text_atomic(out / "config.json", json.dumps(cfg.to_dict(), indent=1, default=str))
+    if signal_name:
+        preemption.done()
+        raise preemption.Preempted(f"{signal_name}: the fine-tuning stopped after step {len(history)} of {planned}; "
+                                   f"the weights so far are in {out / 'model'} (sft.json says so)")
     return out / "model"

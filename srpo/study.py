@@ -463,6 +463,11 @@ def run_study(path: str | Path, progress: bool = True, only: int | None = None,
     for i, cell in enumerate(selected):
         if i % count != index - 1:
             continue
+        from srpo import preemption
+
+        if preemption.check():  # between cells: everything finished so far is on disk
+            raise preemption.Preempted(f"{preemption.requested()}: the study stopped before cell {i + 1}; "
+                                       f"run it again to continue")
         if progress:
             print(f"[{i + 1}/{len(todo)}] {cell['label']} seed {cell['seed']}", flush=True)
         run_cell(spec, cell, root, progress)
@@ -747,6 +752,11 @@ def _study(args) -> int:
             raise ValueError
     except ValueError:
         raise ConfigError(f"--shard {args.shard!r}: expected I/N with 1 <= I <= N, e.g. 1/2") from None
+    if not args.summarize:
+        from srpo import preemption
+        from srpo.config import RunConfig
+
+        preemption.install(RunConfig().preempt_grace_s)  # a cell's training saves at its next step end
     out = summarize_study(args.config) if args.summarize else run_study(args.config, only=args.only,
                                                                        shard=(index, count))
     print(f"results: {out}")

@@ -36,7 +36,7 @@ class Tracker(Protocol):
 
     def log(self, step: int, scalars: dict[str, float]) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, status: str = "finished") -> None: ...
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class TensorBoardTracker:
             self.writer.add_scalar(k, v, step)
         self.writer.flush()
 
-    def close(self):
+    def close(self, status="finished"):
         self.writer.close()
 
 
@@ -99,8 +99,8 @@ class WandbTracker:
     def log(self, step, scalars):
         self.run.log(scalars, step=step)
 
-    def close(self):
-        self.run.finish()
+    def close(self, status="finished"):
+        self.run.finish(exit_code=0 if status == "finished" else 143)  # W&B shows a non-zero exit as failed
 
 
 # MLflow accepts alphanumerics, _ - . space : / in metric names.
@@ -142,8 +142,8 @@ class MlflowTracker:
         self.client.log_batch(self.run_id, metrics=[Metric(_MLFLOW_BAD.sub("_", k), float(v), now, step)
                                                     for k, v in scalars.items()])
 
-    def close(self):
-        self.client.set_terminated(self.run_id)
+    def close(self, status="finished"):
+        self.client.set_terminated(self.run_id, status="FINISHED" if status == "finished" else "KILLED")
 
 
 class TrackioTracker:
@@ -161,7 +161,7 @@ class TrackioTracker:
     def log(self, step, scalars):
         self.trackio.log(scalars, step=step)
 
-    def close(self):
+    def close(self, status="finished"):
         self.trackio.finish()
 
 

@@ -132,3 +132,107 @@ def test_bad_prompt_ids_are_named_with_file_and_line(tmp_path):
                                 "sft": {"data": str(data), "output_dir": str(tmp_path / "o"), "epochs": 1}})
         with pytest.raises(DatasetError, match=f"t.jsonl, line 2.*{match}"):
             run_sft(cfg, progress=False, overwrite=True)
+
+
+# ------------------------------------------------------------------------------- 2. data identity
+
+@pytest.mark.slow
+def test_resume_on_changed_data_is_refused_naming_the_file_unless_allowed(tmp_path):
+    import subprocess
+
+    from test_reliability_runs import ENV, cli_train
+
+    data = tmp_path / "train.jsonl"
+
+    def write(rows):
+        data.write_text("".join(json.dumps({"question": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n"
+                                for a, b in rows))
+
+    write([(a, b) for a in range(4) for b in range(2)])
+    run = tmp_path / "run"
+    extra = [f"task.train.source={data}", "task.train.n=0", "run.steps=2"]
+    assert subprocess.run(cli_train(run, extra), env=ENV, capture_output=True, timeout=300).returncode == 0
+    write([(a, b) for a in range(4, 8) for b in range(2)])  # as many rows, other problems
+    again = subprocess.run(cli_train(run, [*extra[:-1], "run.steps=4"], ["--resume"]), env=ENV, capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 2 and f"{data}" in again.stderr and "other content (same row count)" in again.stderr
+    assert steps_logged(run) == [1, 2]
+    write([(a, b) for a in range(3) for b in range(2)])  # fewer rows
+    fewer = subprocess.run(cli_train(run, [*extra[:-1], "run.steps=4"], ["--resume"]), env=ENV, capture_output=True,
+                           text=True, timeout=300)
+    assert fewer.returncode == 2 and "8 → 6 rows" in fewer.stderr
+    allowed = subprocess.run(cli_train(run, [*extra[:-1], "run.steps=4"], ["--resume", "--allow-data-change"]), env=ENV,
+                             capture_output=True, text=True, timeout=300)
+    assert allowed.returncode == 0, allowed.stderr[-2000:]
+    assert steps_logged(run) == [1, 2, 3, 4] and "a new epoch starts" in allowed.stderr
+
+
+# ------------------------------------------------------------------------------- 3. preemption
+
+def _popen_train(run, extra, flags=()):
+    import subprocess
+
+    from test_reliability_runs import ENV, ROOT, cli_train
+
+    env = {**ENV, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    return subprocess.Popen(cli_train(run, extra, flags), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _wait_for_step(run, step, proc, timeout=120):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (run / "metrics.jsonl").is_file() and len(steps_logged(run)) >= step:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no step {step} logged: rc {proc.poll()}, {proc.stderr.read()[-2000:] if proc.poll() else ''}")
+
+
+@pytest.mark.slow
+def test_sigterm_saves_at_the_step_end_closes_trackers_as_killed_and_resume_continues(tmp_path, monkeypatch):
+    import signal
+
+    run = tmp_path / "run"
+    extra = ["run.steps=40", "checkpoint.every=0", "log.backends=[mlflow]"]  # checkpoint.every=0: only at the end
+    proc = _popen_train(run, extra)
+    _wait_for_step(run, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-2000:]
+    assert "stopped: SIGTERM: stopped after step" in err
+    stopped_at = steps_logged(run)[-1]
+    assert 2 <= stopped_at < 40 and (run / "checkpoints" / f"step_{stopped_at:07d}").is_dir()
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # as srpo's tracker allows it for its own file store
+    client = MlflowClient(tracking_uri=(run / "mlruns").resolve().as_uri())
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert [r.info.status for r in runs] == ["KILLED"]
+    proc = _popen_train(run, ["run.steps=40", "checkpoint.every=0", "log.backends=[mlflow]"], ["--resume"])
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-2000:]
+    assert steps_logged(run) == list(range(1, 41))
+
+
+@pytest.mark.slow
+def test_sigterm_past_the_grace_time_exits_at_once_keeping_the_previous_checkpoint(tmp_path):
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    extra = ["run.steps=20", "checkpoint.every=1", "run.preempt_grace_s=0.5", "task.reward=slow_reward:reward"]
+    proc = _popen_train(run, extra)
+    _wait_for_step(run, 1, proc, timeout=300)
+    while not (run / "checkpoints" / "step_0000001").is_dir():
+        time.sleep(0.05)
+    time.sleep(1.0)  # into step 2, whose rewards take 2 s each
+    proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and time.monotonic() - sent < 10, err[-2000:]
+    assert "no safe point within" in err
+    from srpo.checkpoint import candidates
+
+    assert candidates(run), "the previous checkpoint is there to resume from"

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from srpo import build
+from srpo import build, preemption
 from srpo.checkpoint import BEST_FILE, remove_stale_temporaries
 from srpo.config import Config
 from srpo.data import epoch_order
@@ -64,7 +64,7 @@ class Trainer:
     BEST_METRIC = "eval/macro/avg@{k}"
 
     def __init__(self, cfg: Config, *, policies: PolicySet | None = None, backend=None, progress: bool = True,
-                 reward_fn=None, overwrite: bool = False):
+                 reward_fn=None, overwrite: bool = False, allow_data_change: bool = False):
         self.cfg = cfg
         self.backend = backend or build.backend(cfg)
         self.progress = progress and self.backend.rank == 0
@@ -81,6 +81,9 @@ class Trainer:
         self.train_tasks = build.train_tasks(cfg)
         # Held-out sets load up front: a bad eval dataset fails before a model loads, not at step N.
         self.eval_sets = build.eval_sets(cfg) if cfg.eval.every else {}
+        # What --resume checks the data against (srpo.data.fingerprint): the same path may hold other rows.
+        self.allow_data_change = allow_data_change
+        self.data_fingerprint = build.data_fingerprint(cfg, self.train_tasks, self.eval_sets)
         team = build.team(cfg, policies)
         self.retriever, self.workflow, self.role_specs, self.policies = (team.retriever, team.workflow,
                                                                          team.role_specs, team.policies)
@@ -265,6 +268,13 @@ class Trainer:
                     saved_at = self.step
                 if best:
                     self._name_best(metrics)
+                signal_name = preemption.check(self.backend)
+                if signal_name is not None:  # a safe point: the step is whole; save it, then stop
+                    where = self.save() if saved_at != self.step else self.run_dir / "checkpoints"
+                    preemption.done()
+                    self.logger.close(status="killed")
+                    raise preemption.Preempted(f"{signal_name}: stopped after step {self.step} with a checkpoint "
+                                               f"({where}); continue with --resume")
                 if self.updater.nonfinite_in_a_row >= self.cfg.train.max_nonfinite_steps:
                     where = self.save()
                     raise TrainingStopped(

@@ -92,6 +92,7 @@ def trainer_state(trainer) -> tuple[dict[str, Any], dict[str, Any]]:
         "step": trainer.step,
         "data": {"epoch": trainer.data_epoch, "pos": trainer.data_pos, "order": trainer.data_order},
         "versions": dict(trainer.policies.versions),
+        "data_fingerprint": trainer.data_fingerprint,
         "rng": rng_plain,
         "totals": dict(trainer.totals),
         "nonfinite_in_a_row": trainer.updater.nonfinite_in_a_row,
@@ -153,6 +154,7 @@ def resume(trainer, path: Path | None = None) -> bool:
             problems.append(str(err))
             log.warning("skipping checkpoint %s: %s", candidate.name, err)
             continue
+        check_same_data(trainer, plain, candidate)
         restore(trainer, tensors, plain)
         trainer.engine.update_weights()  # a rollout engine samples from the resumed weights
         if problems:
@@ -168,11 +170,39 @@ def resume(trainer, path: Path | None = None) -> bool:
     return False
 
 
+def check_same_data(trainer, plain: dict[str, Any], checkpoint: Path) -> None:
+    """Refuse to resume on data that changed since the checkpoint (the data position would index
+    other rows), unless ``allow_data_change``; a checkpoint from before fingerprints is trusted."""
+    from srpo.data import fingerprint_changes
+    from srpo.tasks.base import DatasetError
+
+    recorded = plain.get("data_fingerprint")
+    if recorded is None:
+        log.warning("%s records no data fingerprint (written by an older srpo): cannot check that the data is "
+                    "unchanged", checkpoint.name)
+        return
+    changes = fingerprint_changes(recorded, trainer.data_fingerprint)
+    if not changes:
+        return
+    if trainer.allow_data_change:
+        log.warning("resuming on changed data (--allow-data-change): %s", "; ".join(changes))
+        return
+    raise DatasetError(f"the data changed since {checkpoint}: " + "; ".join(changes)
+                       + ". Resuming would train on other rows from the recorded position; restore the data, start a "
+                         "new run, or pass --allow-data-change to continue on the new data knowingly")
+
+
 def restore(trainer, tensors: dict[str, Any], plain: dict[str, Any]) -> None:
     """Put a checkpoint's state back into ``trainer`` (weights are loaded by the caller)."""
     backend, cfg = trainer.backend, trainer.cfg
     trainer.step = plain["step"]
     trainer.data_epoch, trainer.data_pos, trainer.data_order = (plain["data"][k] for k in ("epoch", "pos", "order"))
+    if len(trainer.data_order) != len(trainer.train_tasks):  # --allow-data-change with another row count
+        from srpo.data import epoch_order
+
+        trainer.data_epoch, trainer.data_pos = trainer.data_epoch + 1, 0
+        trainer.data_order = epoch_order(len(trainer.train_tasks), cfg.run.seed, trainer.data_epoch)
+        log.warning("the training data now has %d rows: a new epoch starts over them", len(trainer.train_tasks))
     if not backend.sharded_optimizer_state:
         for pid, o in trainer.optimizers.items():
             o.load_state_dict(tensors["optimizers"][pid])
