@@ -398,4 +398,5 @@ def metrics_logger(cfg: Config, rank: int):
     return MetricsLogger(
         Path(cfg.run.output_dir), cfg.log.active_backends(), enabled=rank == 0,
         tracker_options={"project": cfg.log.project, "run_name": cfg.log.run_name, "config": cfg.to_dict(),
-                         "mlflow_tracking_uri": cfg.log.mlflow_tracking_uri, "wandb_mode": cfg.log.wandb_mode})
+                         "mlflow_tracking_uri": cfg.log.mlflow_tracking_uri, "wandb_mode": cfg.log.wandb_mode,
+                         "timeout_s": cfg.log.tracker_timeout_s})

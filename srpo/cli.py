@@ -32,7 +32,7 @@ def _train(args) -> int:
         raise UsageError("--resume continues the folder's run and --overwrite deletes it: choose one")
     cfg = load_config(args.config, args.set)
     preemption.install(cfg.run.preempt_grace_s)
-    _maybe_init_distributed(cfg.run.device)
+    _maybe_init_distributed(cfg.run.device, cfg.run.collective_timeout_s)
     trainer = Trainer(cfg, overwrite=args.overwrite, allow_data_change=args.allow_data_change)
     code = 0
     try:
@@ -43,6 +43,8 @@ def _train(args) -> int:
         except TrainingStopped as err:  # stopped on purpose, on every rank together
             print(f"training stopped: {err}", file=sys.stderr)
             code = 3
+        except RuntimeError as err:  # a collective that timed out: name the rank that stopped answering
+            raise trainer.backend.explain_timeout(err, cfg.run.collective_timeout_s) from None
     finally:
         trainer.close()
     # Only after a normal end: the barrier in close() would wait forever for a rank that failed.
@@ -52,7 +54,7 @@ def _train(args) -> int:
     return code
 
 
-def _maybe_init_distributed(run_device: str = "cpu") -> None:
+def _maybe_init_distributed(run_device: str = "cpu", timeout_s: float = 600.0) -> None:
     """Under torchrun/accelerate launch (WORLD_SIZE > 1) start the process group via accelerate,
     on the backend of ``run.device`` (a CPU run stays on gloo on a machine with GPUs) and, for a
     CUDA run, with this rank's GPU current (``cuda:LOCAL_RANK``)."""
@@ -64,10 +66,16 @@ def _maybe_init_distributed(run_device: str = "cpu") -> None:
 
         from srpo.parallel.devices import rank_device
 
+        import datetime
+
+        from accelerate.utils import InitProcessGroupKwargs
+
         device = rank_device(run_device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        Accelerator(cpu=device.type == "cpu")
+        # Every collective waits at most run.collective_timeout_s (gloo and NCCL honour it).
+        Accelerator(cpu=device.type == "cpu",
+                    kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout_s))])
 
 
 def _parse_data(specs: list[str]):
@@ -486,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     from srpo import preemption
     from srpo.checkpoint import CheckpointError
     from srpo.config import ConfigError
+    from srpo.parallel.base import CollectiveTimeout
     from srpo.preemption import Preempted
     from srpo.policies import ModelLoadError
     from srpo.run_dir import RunDirError
@@ -501,6 +510,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except CollectiveTimeout as err:  # a rank did not answer: named, never waited for
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     except Preempted as err:  # SIGTERM/SIGUSR1: saved at a safe point (srpo.preemption)
         print(f"stopped: {err}", file=sys.stderr)
         return preemption.EXIT_CODE

@@ -78,6 +78,9 @@ class RunConfig(Section):
     """torch CPU threads (0: leave torch's default)."""
     device: Annotated[str, Field(pattern=r"^(cpu|cuda(:\d+)?)$")] = "cpu"
     """cpu or cuda (or cuda:N)."""
+    collective_timeout_s: Positive = 600.0
+    """Under torchrun: the longest any collective may wait for the other ranks; a rank that does not
+    answer (stopped, frozen, far slower) ends the run with a message naming it, never a hang."""
     preempt_grace_s: NonNegative = 120.0
     """After SIGTERM or SIGUSR1 (what Slurm and Kubernetes send before SIGKILL) the run saves a
     checkpoint at its next step end and exits 143; if that takes longer than this, it exits at once
@@ -300,6 +303,9 @@ class LogConfig(Section):
     """MLflow tracking server or store (default: $MLFLOW_TRACKING_URI, else a file store in <run>/mlruns)."""
     wandb_mode: Literal["", "online", "offline", "disabled"] = ""
     """online, offline or disabled (default: $WANDB_MODE, else online)."""
+    tracker_timeout_s: Positive = 30.0
+    """The longest a tracker call (opening its run, logging a row, closing) may take; a tracker that
+    overruns or fails is switched off for the run with one warning (metrics.jsonl keeps every row)."""
     sample_episodes: NonNegativeInt = 2
     """Episodes per step written in full to samples.jsonl."""
 

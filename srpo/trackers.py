@@ -16,14 +16,21 @@ Where they write by default: TensorBoard ``<run>/tensorboard``; W&B its usual pl
 ``<run>/wandb`` offline with ``WANDB_MODE=offline`` / ``log.wandb_mode: offline``); MLflow a file
 store in ``<run>/mlruns`` (MLflow 3's maintenance-mode backend, allowed for it) unless ``log.mlflow_tracking_uri`` (or ``$MLFLOW_TRACKING_URI``) names a
 server; trackio its local database (``$TRACKIO_DIR``, default ``~/.cache/huggingface/trackio``).
+
+A tracker never stops or stalls a run: every call (opening its run, each row, closing) runs with
+a time limit (``log.tracker_timeout_s``); a call that raises or overruns switches that tracker off
+for the rest of the run with one warning — an MLflow server that refuses connections or accepts
+and never answers costs that tracker, not the training.  ``metrics.jsonl`` keeps every row.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -48,6 +55,7 @@ class TrackerSettings:
     purge_step: int | None = None  # TensorBoard: drop events from this step on (set on resume)
     mlflow_tracking_uri: str = ""
     wandb_mode: str = ""
+    timeout_s: float = 30.0  # the longest one tracker call may take before the tracker is switched off
 
     @property
     def name(self) -> str:
@@ -179,8 +187,70 @@ def missing_package(backend: str) -> str | None:
     return None if importlib.util.find_spec(module) is not None else extra
 
 
-def open_trackers(backends: list[str], settings: TrackerSettings) -> list[Tracker]:
-    return [TRACKERS[b](settings) for b in backends]
+log = logging.getLogger(__name__)
+
+
+class GuardedTracker:
+    """A tracker whose every call runs, with a time limit, in the tracker's own daemon thread (one
+    thread for all its calls: trackio and W&B keep their current run per thread).  A call that
+    raises or does not return in time switches the tracker off for the run (one warning); the run
+    goes on.  (A daemon thread: a call stuck in a dead server's socket cannot hold up the exit.)"""
+
+    def __init__(self, name: str, factory, settings: TrackerSettings):
+        import queue
+
+        self.name = name
+        self.timeout_s = settings.timeout_s
+        self.off: str | None = None  # why it was switched off
+        self._calls: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._serve, name=f"srpo-tracker-{name}", daemon=True)
+        self._thread.start()
+        self.tracker = self._call("opening its run", factory, settings)
+
+    def _serve(self) -> None:
+        while True:
+            item = self._calls.get()
+            if item is None:  # closed: the thread ends
+                return
+            fn, args, box, done = item
+            try:
+                box["value"] = fn(*args)
+            except BaseException as err:  # noqa: BLE001 — reported in the caller's thread
+                box["error"] = err
+            done.set()
+
+    def _call(self, what: str, fn, *args):
+        if self.off is not None:
+            return None
+        box: dict = {}
+        done = threading.Event()
+        self._calls.put((fn, args, box, done))
+        if not done.wait(self.timeout_s):
+            problem = f"did not answer within {self.timeout_s:g} s (log.tracker_timeout_s)"
+        elif "error" in box:
+            err = box["error"]
+            problem = f"failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        else:
+            return box.get("value")
+        self.off = problem
+        log.warning("tracker %s %s while %s; switched off for the rest of this run (metrics.jsonl keeps every "
+                    "row)", self.name, problem, what)
+        return None
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        if self.tracker is not None:
+            self._call(f"logging step {step}", self.tracker.log, step, scalars)
+
+    def close(self, status: str = "finished") -> None:
+        if self.tracker is not None:
+            self._call("closing its run", self.tracker.close, status)
+            self.tracker = None
+        if self.off is None or self._calls.empty():
+            self._calls.put(None)
+
+
+def open_trackers(backends: list[str], settings: TrackerSettings) -> list[GuardedTracker]:
+    return [GuardedTracker(b, TRACKERS[b], settings) for b in backends]
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

@@ -236,3 +236,81 @@ def test_sigterm_past_the_grace_time_exits_at_once_keeping_the_previous_checkpoi
     from srpo.checkpoint import candidates
 
     assert candidates(run), "the previous checkpoint is there to resume from"
+
+
+# ------------------------------------------------------------------------ 4. services never stop a run
+
+@pytest.mark.slow
+def test_a_dead_or_silent_tracker_server_is_switched_off_and_the_run_goes_on(tmp_path, caplog):
+    import socket
+
+    pytest.importorskip("mlflow")
+    silent = socket.socket()  # accepts connections (the kernel's backlog) and never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    refused = socket.socket()
+    refused.bind(("127.0.0.1", 0))
+    dead_port = refused.getsockname()[1]
+    refused.close()  # nothing listens there: connections are refused
+    try:
+        for name, port in (("refused", dead_port), ("silent", silent.getsockname()[1])):
+            run = tmp_path / name
+            with caplog.at_level("WARNING"):
+                trainer = trained(run, ["run.steps=3", "log.backends=[mlflow]", "log.tracker_timeout_s=3",
+                                        f"log.mlflow_tracking_uri=http://127.0.0.1:{port}"])
+            assert trainer.step == 3 and steps_logged(run) == [1, 2, 3]
+            warnings = [r.message for r in caplog.records if "tracker mlflow" in r.message]
+            assert len(warnings) == 1 and "switched off for the rest of this run" in warnings[0]
+            caplog.clear()
+    finally:
+        silent.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_frozen_torchrun_rank_is_named_and_the_run_ends(tmp_path):
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from test_distributed import free_port
+    from test_reliability_runs import ENV, ROOT
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists() and shutil.which("torchrun") is None:
+        pytest.skip("torchrun is not installed")
+    run = tmp_path / "run"
+    overrides = [*tiny(run, ["run.steps=50", "run.collective_timeout_s=5", "checkpoint.every=0"])]
+    cmd = [str(torchrun if torchrun.exists() else "torchrun"), "--nproc_per_node", "2", "--master_port",
+           str(free_port()), "-m", "srpo.cli", "train", "--config", str(ROOT / "configs/math/single/srpo.yaml"),
+           *[x for o in overrides for x in ("--set", o)]]
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 200
+        while time.monotonic() < deadline and not ((run / "metrics.jsonl").is_file() and steps_logged(run)):
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            time.sleep(0.1)
+        rank1 = None
+        for pid in os.listdir("/proc"):
+            try:
+                env = (Path("/proc") / pid / "environ").read_bytes().split(b"\0")
+            except (OSError, ValueError):
+                continue
+            if b"RANK=1" in env and f"TORCHELASTIC_RUN_ID".encode() in b"".join(e[:20] for e in env) \
+                    and any(str(run).encode() in a for a in (Path("/proc") / pid / "cmdline").read_bytes().split(b"\0")):
+                rank1 = int(pid)
+        assert rank1 is not None, "rank 1's process"
+        os.kill(rank1, signal.SIGSTOP)  # frozen: alive, holding its sockets, answering nothing
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode != 0
+        assert "rank(s) 1 did not answer within 5 s (run.collective_timeout_s)" in out, out[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            os.kill(rank1, signal.SIGKILL)
+        except (OSError, TypeError, UnboundLocalError):
+            pass

@@ -40,6 +40,10 @@ def global_norm_value(norm: torch.Tensor) -> torch.Tensor:
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
+class CollectiveTimeout(RuntimeError):
+    """A rank did not answer within ``run.collective_timeout_s``; the message names it."""
+
+
 class SingleProcess:
     """One process: no collectives, nothing sharded."""
 
@@ -57,6 +61,14 @@ class SingleProcess:
 
     def sum_int(self, value: int) -> int:
         return value
+
+    def check_ranks(self, timeout_s: float) -> None:
+        """Every rank answers within ``timeout_s`` (one process: nothing to wait for)."""
+
+    def explain_timeout(self, err: BaseException, timeout_s: float) -> BaseException:
+        """``err`` as a :class:`CollectiveTimeout` naming the ranks that stopped answering, when it
+        is a collective's timeout; else ``err`` itself."""
+        return err
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]
@@ -101,10 +113,63 @@ class DataParallel(SingleProcess):
 
     name = "ddp"
 
+    HEARTBEAT_S = 1.0  # how often each rank says it is alive (in the process group's store)
+
     def __init__(self):
         self.enabled = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.rank = torch.distributed.get_rank() if self.enabled else 0
         self.world = torch.distributed.get_world_size() if self.enabled else 1
+        self._store = None
+        if self.enabled:
+            self._start_heartbeat()
+
+    def _start_heartbeat(self) -> None:
+        """A daemon thread that writes this rank's wall-clock time to the store every second: a
+        stopped or frozen process stops writing, so a timed-out collective can name it."""
+        import threading
+        import time
+
+        try:  # the store torchrun made (private in torch, hence guarded): without it, no names
+            self._store = torch.distributed.distributed_c10d._get_default_store()
+        except Exception:  # noqa: BLE001
+            return
+
+        def beat():
+            while True:
+                try:
+                    self._store.set(f"srpo/heartbeat/{self.rank}", str(time.time()))
+                except Exception:  # noqa: BLE001 — the store is gone: the job is ending
+                    return
+                time.sleep(self.HEARTBEAT_S)
+
+        threading.Thread(target=beat, name="srpo-heartbeat", daemon=True).start()
+
+    def silent_ranks(self) -> list[int]:
+        """Ranks whose heartbeat is older than five beats (unknown: [])."""
+        import time
+
+        if self._store is None:
+            return []
+        now, silent = time.time(), []
+        for r in range(self.world):
+            try:
+                last = float(self._store.get(f"srpo/heartbeat/{r}").decode())
+            except Exception:  # noqa: BLE001 — never written, or the store is unreachable
+                continue
+            if now - last > 5 * self.HEARTBEAT_S:
+                silent.append(r)
+        return silent
+
+    def explain_timeout(self, err: BaseException, timeout_s: float) -> BaseException:
+        text = str(err)
+        if not self.enabled or not any(k in text for k in ("Timed out", "timed out", "Timeout", "timeout")):
+            return err
+        ranks = self.silent_ranks()
+        who = f"rank(s) {', '.join(map(str, ranks))}" if ranks else "a rank (which one is unknown)"
+        return CollectiveTimeout(
+            f"{who} did not answer within {timeout_s:g} s (run.collective_timeout_s): stopped, frozen or far "
+            f"slower than the others; the run stops here (its last checkpoint is valid). "
+            f"[{text.splitlines()[0][:200]}]")
 
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.enabled:
@@ -125,6 +190,30 @@ class DataParallel(SingleProcess):
 
     def sum_int(self, value: int) -> int:
         return int(self.sum_(torch.tensor([value], dtype=torch.long)).item()) if self.enabled else value
+
+    def check_ranks(self, timeout_s: float) -> None:
+        """A barrier that names the ranks that do not reach it within ``timeout_s`` (a stopped,
+        frozen or far slower process) and ends the run with :class:`CollectiveTimeout` — called
+        once per step, where a lost rank would otherwise leave the others waiting in the next
+        collective.  On a gloo group (NCCL has no monitored barrier), made once."""
+        if not self.enabled:
+            return
+        import datetime
+        import re
+
+        if getattr(self, "_gloo", None) is None:
+            backend = str(torch.distributed.get_backend())
+            self._gloo = torch.distributed.group.WORLD if backend == "gloo" else torch.distributed.new_group(backend="gloo")
+        try:
+            torch.distributed.monitored_barrier(group=self._gloo, timeout=datetime.timedelta(seconds=timeout_s),
+                                                wait_all_ranks=True)
+        except RuntimeError as err:
+            ranks = sorted({int(r) for r in re.findall(r"\d+", str(err).split("failed to pass")[0])}) \
+                if "failed to pass" in str(err) else []
+            who = f"rank(s) {', '.join(map(str, ranks))}" if ranks else "rank 0 (or the connection to it)"
+            raise CollectiveTimeout(
+                f"{who} did not answer within {timeout_s:g} s (run.collective_timeout_s): stopped, frozen or far "
+                f"slower than the others; the run stops here (its last checkpoint is valid)") from None
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         if not self.enabled:

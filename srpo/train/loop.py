@@ -165,6 +165,7 @@ class Trainer:
 
     # -- one step ------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, Any]:
+        self.backend.check_ranks(self.cfg.run.collective_timeout_s)  # a lost rank is named here, not waited for
         t0 = time.perf_counter()
         episodes = self.rollout(self.next_tasks())
         t_rollout = time.perf_counter() - t0
