@@ -495,6 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     from srpo.checkpoint import CheckpointError
     from srpo.config import ConfigError
     from srpo.parallel.base import CollectiveTimeout
+    from srpo.serving import ServeError
     from srpo.preemption import Preempted
     from srpo.policies import ModelLoadError
     from srpo.run_dir import RunDirError
@@ -502,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (ConfigError, CheckpointError, ModelLoadError, DatasetError, RunDirError, UsageError) as err:
+    except (ConfigError, CheckpointError, ModelLoadError, DatasetError, RunDirError, UsageError, ServeError) as err:
         if args.verbose:
             traceback.print_exc()
         print(f"error: {err}", file=sys.stderr)

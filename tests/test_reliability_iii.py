@@ -314,3 +314,68 @@ def test_a_frozen_torchrun_rank_is_named_and_the_run_ends(tmp_path):
             os.kill(rank1, signal.SIGKILL)
         except (OSError, TypeError, UnboundLocalError):
             pass
+
+
+# ------------------------------------------------------------------- 6. the retrieval server's bounds
+
+@pytest.fixture
+def retrieval_server():
+    import threading
+    import time
+
+    pytest.importorskip("fastapi")
+    from srpo import serving
+    from srpo.tasks.retrieval_service import build_app
+    from srpo.tasks.search import BM25Retriever, synthetic_kb
+
+    passages, _ = synthetic_kb(40, seed=0)
+    sock = serving.bind("127.0.0.1", 0)
+    server = serving.uvicorn_server(build_app(BM25Retriever(passages), max_results=200), header_timeout_s=1.0,
+                                    read_timeout_s=1.0, limit_concurrency=64)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    yield sock.getsockname()[1], passages[0].title
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_the_retrieval_server_refuses_oversized_work_and_cuts_off_slow_clients(retrieval_server):
+    import socket
+    import time
+
+    import httpx
+
+    port, word = retrieval_server
+    url = f"http://127.0.0.1:{port}/retrieve"
+    ok = httpx.post(url, json={"queries": [word], "topk": 3})
+    assert ok.status_code == 200 and len(ok.json()["result"][0]) == 3
+    big = httpx.post(url, json={"queries": ["q"] * 100, "topk": 3})  # 300 passages > 200
+    assert big.status_code == 413 and "at most 200" in big.json()["detail"]
+    long = httpx.post(url, json={"queries": ["x" * 5000]})
+    assert long.status_code == 422
+    # A client that opens a connection and sends half a request line is cut off after the header timeout.
+    slow = socket.create_connection(("127.0.0.1", port))
+    slow.sendall(b"POST /retrieve HTTP/1.1\r\nHost: x\r\n")
+    started = time.monotonic()
+    slow.settimeout(10)
+    assert slow.recv(100) == b"" and time.monotonic() - started < 5  # closed by the server
+    # A body that stalls is ended too, and the server still answers others.
+    stall = socket.create_connection(("127.0.0.1", port))
+    stall.sendall(b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+    stall.settimeout(10)
+    stall.recv(1000)
+    assert httpx.post(url, json={"queries": [word], "topk": 1}).status_code == 200
+
+
+def test_a_port_in_use_is_one_error_line(retrieval_server, tmp_path):
+    import subprocess
+    import sys
+
+    from test_reliability_runs import ENV
+
+    out = subprocess.run([sys.executable, "-m", "srpo.cli", "retriever", "serve", "--corpus", "synthetic_kb:n=10",
+                          "--port", str(retrieval_server[0])], env=ENV, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith("error: cannot listen on")
+    assert "in use" in out.stderr

@@ -17,21 +17,34 @@ import asyncio
 import json
 import logging
 import secrets
-import socket
 import threading
 import time
 import traceback
 from typing import Any
 
+from srpo import serving
 from srpo.gateway.protocol import ProtocolError, error_body, models_list, parse_request, response, stream_events
+from srpo.serving import ServeError
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20  # 8 MiB: a long multi-agent transcript fits; a runaway client does not
 
 
-class GatewayError(RuntimeError):
+class GatewayError(ServeError):
     """The gateway cannot start (a port in use, the server libraries missing)."""
+
+
+def bind(host: str, port: int):
+    try:
+        return serving.bind(host, port)
+    except ServeError as err:
+        raise GatewayError(str(err)) from None
+
+
+def _uvicorn_server(app):
+    # A training step's requests wait for a batch: the read timeout is for a stalled body only.
+    return serving.uvicorn_server(app, header_timeout_s=30.0, read_timeout_s=60.0, limit_concurrency=4096)
 
 
 def _require_server_libraries():
@@ -113,30 +126,6 @@ def build_app(resolve, *, serve_root: bool = False):
                    Route("/v1/completions", text, methods=["POST"]),
                    Route("/v1/models", models, methods=["GET"])]
     return Starlette(routes=routes, exception_handlers={HTTPException: not_found})
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """A listening socket, or a clear error for a port in use."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as err:
-        sock.close()
-        raise GatewayError(f"cannot listen on {host}:{port}: {err.strerror or err}"
-                           + (" (the port is in use; choose another with --port)" if port else "")) from None
-    sock.listen(2048)
-    return sock
-
-
-def _uvicorn_server(app, **limits: Any):
-    import uvicorn
-
-    config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
-                            timeout_keep_alive=limits.get("timeout_keep_alive", 30),
-                            limit_concurrency=limits.get("limit_concurrency", 4096))
-    return uvicorn.Server(config)
 
 
 class Gateway:

@@ -35,8 +35,16 @@ def document(p: Passage) -> dict[str, str]:
     return {"id": p.pid, "contents": f'"{p.title}"\n{p.text}' if p.title else p.text, "title": p.title, "text": p.text}
 
 
-def build_app(retriever: BM25Retriever, default_topk: int = 3):
-    """The FastAPI application serving ``retriever``."""
+MAX_RESULTS = 20_000  # queries × topk in one request: the work and the response are bounded by it
+MAX_RESPONSE_BYTES = 32 << 20  # and the response by its size (long passages)
+MAX_QUERY_CHARS = 4096
+
+
+def build_app(retriever: BM25Retriever, default_topk: int = 3, *, max_results: int = MAX_RESULTS,
+              max_response_bytes: int = MAX_RESPONSE_BYTES):
+    """The FastAPI application serving ``retriever``.  A request asking for more than
+    ``max_results`` passages (queries × topk) is refused with 413 before any work; one whose
+    passages would exceed ``max_response_bytes`` with 413 too — split it into smaller requests."""
     from fastapi import FastAPI, HTTPException
     from pydantic import BaseModel, Field
 
@@ -55,7 +63,20 @@ def build_app(retriever: BM25Retriever, default_topk: int = 3):
     def retrieve(request: QueryRequest) -> dict[str, Any]:
         if not request.queries:
             raise HTTPException(status_code=422, detail="queries must hold at least one query")
-        results = retriever.search_many_scored(request.queries, request.topk or default_topk)
+        topk = request.topk or default_topk
+        if len(request.queries) * topk > max_results:
+            raise HTTPException(status_code=413, detail=(
+                f"{len(request.queries)} queries × topk {topk} = {len(request.queries) * topk} passages; this server "
+                f"returns at most {max_results} per request — split the queries"))
+        long = [i for i, q in enumerate(request.queries) if len(q) > MAX_QUERY_CHARS]
+        if long:
+            raise HTTPException(status_code=422, detail=f"query {long[0]} is longer than {MAX_QUERY_CHARS} characters")
+        results = retriever.search_many_scored(request.queries, topk)
+        size = sum(len(p.text) + len(p.title) + 64 for row in results for p, _ in row)
+        if size > max_response_bytes:
+            raise HTTPException(status_code=413, detail=(
+                f"the response would be about {size >> 20} MiB; this server returns at most "
+                f"{max_response_bytes >> 20} MiB per request — ask for fewer queries or a smaller topk"))
         if request.return_scores:
             return {"result": [[{"document": document(p), "score": s} for p, s in row] for row in results]}
         return {"result": [[document(p) for p, _ in row] for row in results]}
@@ -64,9 +85,13 @@ def build_app(retriever: BM25Retriever, default_topk: int = 3):
 
 
 def serve(retriever: BM25Retriever, host: str = "127.0.0.1", port: int = 8000, default_topk: int = 3) -> None:
-    import uvicorn
+    """Serve until interrupted: a port in use is a :class:`~srpo.serving.ServeError` (one ``error:``
+    line); slow clients are cut off (header and body timeouts) and connections are capped
+    (:func:`srpo.serving.uvicorn_server`)."""
+    from srpo import serving
 
-    uvicorn.run(build_app(retriever, default_topk), host=host, port=port, log_level="warning")
+    sock = serving.bind(host, port)  # before the corpus is served: a port in use fails here, clearly
+    serving.uvicorn_server(build_app(retriever, default_topk)).run(sockets=[sock])
 
 
 # ------------------------------------------------------------------------------------ client
