@@ -13,6 +13,12 @@ The API (``POST /retrieve``)::
 Without ``return_scores`` each entry is the document itself.  ``contents`` is Search-R1's
 ``"Title"\\ntext``; srpo's server adds ``title`` and ``text`` fields, which the client prefers when
 present.  ``GET /health`` reports the corpus size.
+
+Limits (so that one client cannot take the server from the others): at most 20,000 passages per
+request (queries × topk; more is refused with 413 before any work), a response of at most 32 MiB
+(413), queries of at most 4,096 characters (422) and 4,096 queries (422); a connection that has
+not sent a complete request head within 10 s is closed, a body that stalls for 30 s ends the
+request, and at most 1,024 connections are served at once (503 beyond) — :mod:`srpo.serving`.
 """
 
 # No ``from __future__ import annotations`` here: FastAPI reads the request model's annotations
