@@ -371,6 +371,12 @@ class RolloutConfig(Section):
     """vllm: the engine's weight dtype (auto: bfloat16 on CUDA when model.autocast_bf16 or
     model.dtype is bfloat16 — the engine samples in the precision the trainer computes in — else
     model.dtype)."""
+    max_staleness: Annotated[int, Field(ge=0, le=1)] = 0
+    """0: rollout and update alternate (each step samples from the weights it updates).  1: the
+    rollout of step t+1 runs while step t's update runs, on weights one version old (a copy of the
+    policies samples in a background thread); q_old is recomputed and train.tis_cap corrects the
+    gap; ``rollout/staleness_mean|max`` are logged every step.  (More than one rollout in flight
+    needs a rollout pool of its own: not offered.)"""
     seed_requests: bool = True
     """vllm on CUDA: give every request its own seed drawn from srpo's generator (reproducible
     rollouts; vLLM then samples those rows with per-request generators, which may be slower —
@@ -438,6 +444,12 @@ class Config(Section):
         if t.parallel == "fsdp" and self.model.layout == "lora":
             raise ValueError("train.parallel: fsdp shards full models (model.layout shared or separate); a LoRA "
                              "layout trains adapters of a few MB — use ddp")
+        if self.rollout.max_staleness and t.parallel == "fsdp":
+            raise ValueError("rollout.max_staleness: 1 with train.parallel: fsdp is not supported yet: the overlapped "
+                             "rollout samples from a full copy of the weights, which a sharded run does not hold")
+        if self.rollout.max_staleness and self.rollout.engine == "vllm":
+            raise ValueError("rollout.max_staleness: 1 with rollout.engine: vllm is not supported yet (the engine "
+                             "generating while its weights are synced is not verified); use engine hf, or staleness 0")
         if t.parallel == "fsdp" and self.method.kl_coef > 0:
             raise ValueError("method.kl_coef: a KL reference model is not yet supported with train.parallel: fsdp")
         if self.task.corpus and self.retriever.url:

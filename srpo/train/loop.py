@@ -107,6 +107,15 @@ class Trainer:
         # Each rank samples differently; the seed offset keeps ranks' rollouts independent.
         self.rollout_generator = torch.Generator().manual_seed(cfg.run.seed * 1000 + self.backend.rank)
         self.runtime = build.runtime(cfg, team, self.engine, self.rollout_generator, reward_fn)
+        # rollout.max_staleness: 1 — the next step's rollout runs on a copy while this step updates.
+        self.overlap, self.pending_episodes = None, None
+        if cfg.rollout.max_staleness:
+            from srpo.rollout.overlap import OverlappedRollout
+
+            self.overlap = OverlappedRollout(self.policies, lambda policies, engine: build.runtime(
+                cfg, build.Team(self.workflow, self.role_specs, policies, self.retriever), engine,
+                self.rollout_generator, reward_fn))
+        self.target_steps = cfg.run.steps
         self.step, self.data_epoch, self.data_pos = 0, 0, 0
         self.data_order = epoch_order(len(self.train_tasks), cfg.run.seed, 0)
         self.best: dict[str, Any] | None = None  # the best held-out evaluation so far (eval.every)
@@ -148,13 +157,40 @@ class Trainer:
         return picked[self.backend.rank::self.backend.world]
 
     # -- 2. rollout ----------------------------------------------------------------------------------
-    def rollout(self, tasks) -> list[EpisodeResult]:
+    def jobs(self, tasks, step: int) -> list[tuple[str, Any]]:
+        """(episode id, task) for each of ``group_size`` episodes of each task of ``step``."""
         g = self.cfg.train.group_size
-        jobs = [(f"s{self.step}-r{self.backend.rank}-t{i}-g{j}", t) for i, t in enumerate(tasks) for j in range(g)]
+        return [(f"s{step}-r{self.backend.rank}-t{i}-g{j}", t) for i, t in enumerate(tasks) for j in range(g)]
+
+    def rollout(self, tasks) -> list[EpisodeResult]:
+        jobs = self.jobs(tasks, self.step)
         # Full parameters for the whole rollout, gathered once (FSDP) — every rank rolls out once
         # a step, while the number of generation calls differs from rank to rank.
         with torch.no_grad(), self.autocast(), self.backend.gathered(self.policies):
             return self.runtime.run(self.workflow, jobs)
+
+    def overlapped_rollout(self) -> list[EpisodeResult]:
+        """This step's batch (sampled during the previous step's update, or now on the first step),
+        and the next step's rollout started on the rollout copy."""
+        episodes, self.pending_episodes = self.pending_episodes, None
+        if episodes is None:  # the first step: nothing to overlap with
+            episodes = self.overlap.run(self.workflow, self.jobs(self.next_tasks(), self.step), self.autocast())
+        if self.step + 1 < self.target_steps:
+            self.overlap.start(self.workflow, self.jobs(self.next_tasks(), self.step + 1), self.autocast())
+        return episodes
+
+    def finish_overlapped_rollout(self, update_start: float, update_end: float) -> dict[str, float]:
+        """Wait for the next batch, give the rollout copy the updated weights; the time waited and
+        how long rollout and update were busy together."""
+        t = time.perf_counter()
+        ran = self.overlap.in_flight
+        if ran:
+            self.pending_episodes = self.overlap.wait()
+        waited = time.perf_counter() - t
+        self.overlap.sync(self.policies)
+        start, end = self.overlap.busy if ran else (0.0, 0.0)
+        both = max(0.0, min(end, update_end) - max(start, update_start)) if ran else 0.0
+        return {"time/rollout_wait_s": waited, "time/overlap_s": both}
 
     # -- 5. update (srpo.train.update) ---------------------------------------------------------------
     def recompute_old_logprobs(self, events) -> None:
@@ -167,8 +203,13 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         self.backend.check_ranks(self.cfg.run.collective_timeout_s)  # a lost rank is named here, not waited for
         t0 = time.perf_counter()
-        episodes = self.rollout(self.next_tasks())
+        if self.overlap is None:
+            episodes = self.rollout(self.next_tasks())
+        else:
+            episodes = self.overlapped_rollout()
         t_rollout = time.perf_counter() - t0
+        staleness = [self.policies.version(m.policy_id) - m.policy_version
+                     for ep in episodes for e in ep.events for m in e.members]
         valid, dropped = validate_events([e for ep in episodes for e in ep.events])
         loss_events = assign_advantages(valid, self.method, scale=self.cfg.method.advantage_scale)
         t1 = time.perf_counter()
@@ -180,6 +221,10 @@ class Trainer:
                 self.recompute_old_logprobs(needed)
         metrics = self.update(loss_events)
         t_update = time.perf_counter() - t1
+        metrics["rollout/staleness_mean"] = sum(staleness) / len(staleness) if staleness else 0.0
+        metrics["rollout/staleness_max"] = max(staleness, default=0)
+        if self.overlap is not None:
+            metrics.update(self.finish_overlapped_rollout(t1, t1 + t_update))
         metrics.update(episode_metrics(episodes, valid, dropped, self.totals))
         metrics.update(self.mismatch.metrics())
         for key, count in getattr(self.retriever, "stats", {}).items():  # a retrieval server's client
@@ -245,6 +290,7 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------------
     def fit(self, steps: int | None = None, on_step=None) -> list[dict[str, Any]]:
         total = steps if steps is not None else self.cfg.run.steps
+        self.target_steps = total
         if not self.claimed:
             state.claim_fresh(self)
         history, saved_at, bar = [], None, None

@@ -22,6 +22,7 @@ import torch
 from srpo.checkpoint import (CheckpointError, CorruptCheckpoint, candidates, load_checkpoint, new_temporary, rng_state,
                              save_checkpoint, set_rng_state)
 from srpo import run_dir as run_folder
+from srpo.rollout.overlap import episodes_from_plain, episodes_to_plain
 from srpo.run_dir import RunDirError
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,9 @@ def trainer_state(trainer) -> tuple[dict[str, Any], dict[str, Any]]:
         "data": {"epoch": trainer.data_epoch, "pos": trainer.data_pos, "order": trainer.data_order},
         "versions": dict(trainer.policies.versions),
         "data_fingerprint": trainer.data_fingerprint,
+        # rollout.max_staleness: the next step's batch, sampled before this checkpoint (else None).
+        "pending_episodes": (episodes_to_plain(trainer.pending_episodes)
+                             if getattr(trainer, "pending_episodes", None) is not None else None),
         "rng": rng_plain,
         "totals": dict(trainer.totals),
         "nonfinite_in_a_row": trainer.updater.nonfinite_in_a_row,
@@ -156,7 +160,9 @@ def resume(trainer, path: Path | None = None) -> bool:
             continue
         check_same_data(trainer, plain, candidate)
         restore(trainer, tensors, plain)
-        trainer.engine.update_weights()  # a rollout engine samples from the resumed weights
+        trainer.engine.update_weights()
+        if trainer.overlap is not None:  # the rollout copy samples from the resumed weights
+            trainer.overlap.sync(trainer.policies)  # a rollout engine samples from the resumed weights
         if problems:
             log.warning("resumed from the older checkpoint %s", candidate.name)
         trainer.logger.truncate_after(trainer.step)
@@ -195,6 +201,8 @@ def check_same_data(trainer, plain: dict[str, Any], checkpoint: Path) -> None:
 def restore(trainer, tensors: dict[str, Any], plain: dict[str, Any]) -> None:
     """Put a checkpoint's state back into ``trainer`` (weights are loaded by the caller)."""
     backend, cfg = trainer.backend, trainer.cfg
+    pending = plain.get("pending_episodes")
+    trainer.pending_episodes = episodes_from_plain(pending) if pending is not None and trainer.overlap else None
     trainer.step = plain["step"]
     trainer.data_epoch, trainer.data_pos, trainer.data_order = (plain["data"][k] for k in ("epoch", "pos", "order"))
     if len(trainer.data_order) != len(trainer.train_tasks):  # --allow-data-change with another row count

@@ -1,0 +1,139 @@
+"""Rollouts that overlap the update (``rollout.max_staleness: 1``): one-step off-policy.
+
+    step t:   [ update on batch t (weights v_t-1 → v_t) ]            main thread
+              [ rollout of batch t+1 on a copy at v_t-1 ]            rollout thread
+              then: wait for batch t+1, copy v_t into the rollout's weights
+
+The rollout of step t+1 runs in a background thread on a copy of the policies (the *rollout
+copy*) while step t's update changes the training weights; once both are done, the copy takes
+the new weights.  So a batch is sampled on weights exactly one version older than those it
+updates (``rollout/staleness`` = 1 from the second step; 0 on the first, sampled before any
+update).  Every member records the version it was sampled with; the trainer recomputes q_old on
+its current weights and ``train.tis_cap`` corrects the sampler gap (the ``rollout/`` mismatch
+metrics show it per role), as with any off-policy sampler (verl's one-step-off-policy recipe;
+AReaL's ``max_head_offpolicyness`` bounds the same quantity).
+
+A checkpoint is written at a step's end, after the next batch finished: it holds that batch (its
+episodes, serialised) and the data position and sampling RNG after it, so ``--resume`` continues
+exactly — an episode in flight when a run is killed is sampled again from the same state, never
+lost or counted twice.
+
+What overlaps: the rollout thread's forward passes and the main thread's update share the CPU (or
+GPU); with two cores there is little to gain (benchmarks/bench_overlap.py measures it), with a
+rollout on its own hardware the update hides behind it.  Memory: the rollout copy doubles the
+model's weights (not its optimizer state).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from srpo.events import Event, Member
+from srpo.rollout.builtin import BuiltinEngine
+from srpo.tasks.base import Task
+from srpo.workflows.runtime import EpisodeResult
+
+
+class OverlappedRollout:
+    """A rollout copy of ``policies`` with its own runtime (``make_runtime(policies, engine)``),
+    run in a background thread: :meth:`start`, then :meth:`wait`, then :meth:`sync`."""
+
+    def __init__(self, policies, make_runtime):
+        self.policies = copy.deepcopy(policies)  # the weights rollouts sample from, one version behind
+        for module in self.policies.modules():
+            module.eval()
+            for p in module.parameters():
+                p.requires_grad_(False)
+        self.runtime = make_runtime(self.policies, BuiltinEngine(self.policies))
+        self._thread: threading.Thread | None = None
+        self._result: list[EpisodeResult] | None = None
+        self._error: BaseException | None = None
+        self.busy: tuple[float, float] = (0.0, 0.0)  # perf_counter start and end of the last rollout
+
+    def run(self, workflow, jobs, autocast) -> list[EpisodeResult]:
+        """A rollout in this thread (the first step's, which has nothing to overlap with)."""
+        self.start(workflow, jobs, autocast)
+        return self.wait()
+
+    def start(self, workflow, jobs, autocast) -> None:
+        """Start sampling ``jobs`` in the background (autocast is entered in that thread: its
+        state is per thread)."""
+        if self._thread is not None:
+            raise RuntimeError("a rollout is already in flight")
+        self._result, self._error = None, None
+
+        def work():
+            started = time.perf_counter()
+            try:
+                with torch.no_grad(), autocast:
+                    self._result = self.runtime.run(workflow, jobs)
+            except BaseException as err:  # noqa: BLE001 — re-raised in the trainer's thread by wait()
+                self._error = err
+            self.busy = (started, time.perf_counter())
+
+        self._thread = threading.Thread(target=work, name="srpo-rollout", daemon=True)
+        self._thread.start()
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None
+
+    def wait(self) -> list[EpisodeResult]:
+        """The rollout's episodes (its error, raised here)."""
+        if self._thread is None:
+            raise RuntimeError("no rollout in flight")
+        self._thread.join()
+        self._thread = None
+        if self._error is not None:
+            raise self._error
+        return self._result or []
+
+    def sync(self, policies) -> None:
+        """The rollout copy takes ``policies``' weights and versions (no rollout may be in flight)."""
+        if self._thread is not None:
+            raise RuntimeError("the rollout copy is in use")
+        with torch.no_grad():
+            for src, dst in zip(policies.modules(), self.policies.modules()):
+                dst_params = dict(dst.named_parameters())
+                for name, p in src.named_parameters():
+                    dst_params[name].copy_(p.detach())
+                dst_buffers = dict(dst.named_buffers())
+                for name, b in src.named_buffers():
+                    if name in dst_buffers:
+                        dst_buffers[name].copy_(b)
+        self.policies.versions = dict(policies.versions)
+
+
+# -- a batch in a checkpoint ------------------------------------------------------------------------
+def episodes_to_plain(episodes: list[EpisodeResult]) -> list[dict[str, Any]]:
+    """Episodes as JSON-able dicts (a checkpoint's pending batch)."""
+    out = []
+    for ep in episodes:
+        task = ep.task
+        out.append({"episode_id": ep.episode_id, "answer": ep.answer, "reward": ep.reward, "info": ep.info,
+                    "transcript": ep.transcript,
+                    "task": {"task_id": task.task_id, "question": task.question, "answers": list(task.answers),
+                             "kind": task.kind, "source": task.source, "meta": task.meta},
+                    "events": [{**{k: v for k, v in asdict(e).items() if k != "members"},
+                                "members": [asdict(m) for m in e.members]} for e in ep.events]})
+    return out
+
+
+def episodes_from_plain(rows: list[dict[str, Any]]) -> list[EpisodeResult]:
+    out = []
+    for row in rows:
+        t = row["task"]
+        task = Task(t["task_id"], t["question"], tuple(t["answers"]), t["kind"], t.get("source", ""), t.get("meta", {}))
+        events = []
+        for e in row["events"]:
+            members = [Member(**m) for m in e["members"]]
+            events.append(Event(**{k: v for k, v in e.items() if k != "members"}, members=members))
+        out.append(EpisodeResult(row["episode_id"], task, row["answer"], row["reward"], events, row["info"],
+                                 row["transcript"]))
+    return out
