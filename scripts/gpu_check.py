@@ -16,8 +16,10 @@ against a reference — never on an exit code alone:
   would show);
 - ``vllm · team step``: a team step on the engine — mismatch under tolerance, TIS weight near 1;
 - ``vllm · torchrun``: one engine per rank on its own GPU (needs ≥ 2 GPUs);
-- ``staleness``: rollouts overlapping the update — not implemented yet (issue "the GPU path as one
-  whole", item 3), reported as such.
+- ``staleness · <layout>``: ``rollout.max_staleness: 1`` (the next rollout on a copy in a background
+  thread while the update runs): staleness logged 0 then 1 on every step, and a run cut before its
+  last checkpoint and resumed ends on the straight run's weights (the pending batch is
+  checkpointed); with vLLM or FSDP it is refused at validation (not supported yet), said so.
 
 Every record names the stage that failed and keeps the whole traceback; peak GPU memory is set
 beside the 16-bytes-per-parameter floor of docs/scaling.md.  One JSON report (``--out``), one
@@ -138,6 +140,49 @@ def _sampler_stages(args, tmp, layout, precision, extra, stage) -> dict:
         raise CheckFailed(f"sampler vs trainer: mean |Δ log p| {mean:.3g} > {TOL[precision]:g}")
     return {"details": f"resumed vs straight max |Δw| {diff:.2e}; sampler vs trainer mean |Δ log p| {mean:.2e} "
                        f"(max {worst:.2e}, tol {TOL[precision]:g})", "stage": stage[0]}
+
+
+def staleness_check(args, tmp: Path, layout: str) -> dict:
+    """Overlapped rollouts: staleness as promised, and an exact resume with a batch pending."""
+    from srpo.build import load_config
+    from srpo.train import Trainer
+
+    extra = [f"model.layout={layout}", "rollout.max_staleness=1", f"run.steps={max(args.steps, 3)}"]
+    steps = max(args.steps, 3)
+    stage = ["straight run"]
+    try:
+        straight = Trainer(load_config(CONFIG, overrides(args, tmp / f"stale-{layout}-a", *extra)), progress=False)
+        rows = straight.fit()
+        reference = weights(straight)
+        straight.close()
+        stage[0] = "staleness logged"
+        got = [r["rollout/staleness_max"] for r in rows]
+        if got != [0] + [1] * (steps - 1):
+            raise CheckFailed(f"rollout/staleness_max per step {got}, expected 0 then 1")
+        stage[0] = "cut and resume"
+        first = Trainer(load_config(CONFIG, overrides(args, tmp / f"stale-{layout}-b", *extra)), progress=False)
+
+        def cut(trainer, _metrics):
+            if trainer.step == steps - 1:
+                raise KeyboardInterrupt  # before that step's checkpoint: the resume starts a step earlier
+        try:
+            first.fit(on_step=cut)
+        except KeyboardInterrupt:
+            pass
+        first.close()
+        resumed = Trainer(load_config(CONFIG, overrides(args, tmp / f"stale-{layout}-b", *extra)), progress=False)
+        if not resumed.resume() or resumed.pending_episodes is None:
+            raise CheckFailed("resume: no pending batch restored from the checkpoint")
+        resumed.fit()
+        stage[0] = "compare resumed with straight"
+        diff = compare(reference, weights(resumed), RESUME_ATOL, "resumed vs straight (staleness 1)")
+        resumed.close()
+        both = sum(r.get("time/overlap_s", 0.0) for r in rows) / sum(r["time/step_s"] for r in rows)
+        return {"details": f"staleness {got}; resumed vs straight max |Δw| {diff:.2e}; rollout and update busy "
+                           f"together {both:.0%} of the run", "stage": stage[0]}
+    except Exception as err:
+        err.stage = stage[0]
+        raise
 
 
 def parallel_check(args, tmp: Path, parallel: str) -> dict:
@@ -306,7 +351,9 @@ def combinations(args, tmp: Path):
     yield "vllm · team step", (lambda: vllm_team_check(args, tmp)) if has_vllm else no_vllm
     yield "vllm · torchrun", ("needs 2 or more GPUs (one engine per rank, each on its own GPU)" if gpus < 2 else
                               no_vllm if not has_vllm else (lambda: vllm_torchrun_check(args, tmp, gpus)))
-    yield "staleness", "not implemented yet (rollout.max_staleness: the GPU path as one whole, item 3)"
+    for layout in ("shared", "lora"):
+        yield f"staleness · {layout}", lambda layout=layout: staleness_check(args, tmp, layout)
+    yield "staleness · vllm / fsdp", "refused at validation: not supported yet (the GPU path as one whole, item 3)"
 
 
 def run_one(name, fn) -> dict:

@@ -168,7 +168,8 @@ def test_gpu_check_runs_reduced_on_cpu_and_cannot_say_ok_when_wrong(tmp_path):
     verdicts = {r["combination"]: r["verdict"] for r in report["combinations"]}
     assert verdicts["sampler · shared · fp32"] == verdicts["sampler · lora · fp32"] == "ok"
     assert verdicts["fsdp · all devices"] == "ok" and "2 rank(s) vs one process" in done.stdout
-    assert verdicts["staleness"] == "SKIPPED" and report["floor_gib_full_model"] > 0
+    assert verdicts["staleness · shared"] == verdicts["staleness · lora"] == "ok"
+    assert verdicts["staleness · vllm / fsdp"] == "SKIPPED" and report["floor_gib_full_model"] > 0
     sabotaged = subprocess.run([*base, "--only", "sampler · shared · fp32", "--out", str(tmp_path / "s.json")],
                                env={**env, "SRPO_GPU_CHECK_SABOTAGE": "resume"}, capture_output=True, text=True,
                                timeout=900)
