@@ -161,14 +161,13 @@ def fingerprint(tasks: list[Task], src: DataSource) -> dict[str, Any]:
 
 
 def fingerprint_changes(recorded: dict[str, dict], now: dict[str, dict]) -> list[str]:
-    """One line per data source whose fingerprint differs (empty: the same data)."""
+    """One line per data source (of those both fingerprints hold) that differs (empty: the same data)."""
     lines = []
-    for key in sorted(set(recorded) | set(now)):
-        a, b = recorded.get(key), now.get(key)
+    # Only sources both runs loaded: a held-out set evaluated now but not then (eval.every changed)
+    # is not a change of data.
+    for key in sorted(set(recorded) & set(now)):
+        a, b = recorded[key], now[key]
         if a == b:
-            continue
-        if a is None or b is None:
-            lines.append(f"{key}: {'added' if a is None else 'removed'} ({(a or b).get('source')})")
             continue
         what = []
         if a.get("source") != b.get("source"):
