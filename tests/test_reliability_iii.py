@@ -379,3 +379,24 @@ def test_a_port_in_use_is_one_error_line(retrieval_server, tmp_path):
                           "--port", str(retrieval_server[0])], env=ENV, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith("error: cannot listen on")
     assert "in use" in out.stderr
+
+
+def test_a_study_folder_with_a_planted_link_is_refused_before_any_cell(tmp_path):
+    import yaml
+
+    from srpo.study import run_study
+
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump({"model": {"name": "tiny-llama"}, "task": {"kind": "math",
+                                        "train": {"source": "synthetic_arithmetic", "level": 0, "n": 4}}}))
+    out = tmp_path / "out"
+    out.mkdir()
+    target = tmp_path / "precious.md"
+    target.write_text("precious")
+    os.symlink(target, out / "results.md")
+    study = {"output_dir": str(out), "base": "base.yaml", "seeds": [0],
+             "axes": {"m": [{"label": "srpo", "set": {"method.name": "srpo"}}]},
+             "eval": {"k": 1, "datasets": [{"source": "synthetic_arithmetic", "level": 0, "n": 1}]}}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(study))
+    with pytest.raises(RunDirError, match="symbolic link srpo did not make"):
+        run_study(tmp_path / "s.yaml", progress=False)
+    assert target.read_text() == "precious" and not (out / "srpo").exists()
