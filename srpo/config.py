@@ -598,16 +598,22 @@ def _is_file_path(source: Any) -> bool:
         and not os.path.isabs(source)
 
 
-def _resolve_data_paths(data: dict, folder: Path) -> None:
-    """Rewrite the relative data paths of one YAML file's sections to be relative to ``folder``
-    (and a program named by file, ``workflow.options.entry: path/to/team.py:solve``)."""
+def resolve_program_path(data: dict, folder: Path) -> None:
+    """``workflow.options.entry: path/to/team.py:fn`` made relative to ``folder`` (a config's or a
+    study file's), as data paths are."""
     workflow = data.get("workflow")
     options = workflow.get("options") if isinstance(workflow, dict) else None
     entry = options.get("entry") if isinstance(options, dict) else None
     if isinstance(entry, str) and ":" in entry:
         module, _, attr = entry.rpartition(":")
         if module.endswith(".py") and not os.path.isabs(module):
-            options["entry"] = f"{os.path.normpath(folder / module)}:{attr}"
+            options["entry"] = f"{os.path.normpath(Path(folder) / module)}:{attr}"
+
+
+def _resolve_data_paths(data: dict, folder: Path) -> None:
+    """Rewrite the relative data paths of one YAML file's sections to be relative to ``folder``
+    (and a program named by file, ``workflow.options.entry: path/to/team.py:solve``)."""
+    resolve_program_path(data, folder)
     task = data.get("task")
     if not isinstance(task, dict):
         return

@@ -48,7 +48,8 @@ import yaml
 
 from pydantic import Field
 
-from srpo.config import ConfigError, DataSource, Float, Section, apply_overrides, parse_section, read_yaml
+from srpo.config import (ConfigError, DataSource, Float, Section, apply_overrides, parse_section, read_yaml,
+                         resolve_program_path)
 from srpo import build, stats
 from srpo.fileio import write_text_atomic
 from srpo.metrics_log import read_metrics
@@ -149,6 +150,7 @@ def load_study(path: str | Path, check_cells: bool = True) -> dict:
             raise ConfigError(f"{p}: axes.{axis} must be a non-empty list of {{label, set}}")
     spec = typed.model_dump(exclude_unset=True)  # as written: the recipe finished cells recorded
     spec["base"] = str((p.parent / typed.base).resolve())
+    spec["folder"] = str(p.parent.resolve())  # a program's file path in the overrides is relative to it
     spec["base_config"] = read_yaml(spec["base"])  # read once: every cell starts from it and records it
     spec["eval_sources"] = [_resolve(src, p.parent) for src in typed.eval.datasets]
     if typed.primary is not None:
@@ -214,6 +216,8 @@ def references(spec: dict) -> list[dict]:
 def cell_config(spec: dict, cell: dict, run_dir: Path):
     data = apply_overrides(copy.deepcopy(spec["base_config"]), {**cell["overrides"], "run.output_dir": str(run_dir)})
     data.setdefault("task", {})["eval"] = []
+    if spec.get("folder"):  # workflow.options.entry: path/to/team.py:fn is relative to the study file, as in a config
+        resolve_program_path(data, Path(spec["folder"]))
     return build.config_from_dict(data)
 
 

@@ -183,7 +183,7 @@ def test_too_long_prompt_leaves_the_event_incomplete():
 
 
 def test_unknown_workflow_and_option():
-    with pytest.raises(ValueError, match="valid: parallel_aggregate, routed, search, search_team, single, solver_verifier"):
+    with pytest.raises(ValueError, match="valid: openai_agent, parallel_aggregate, routed, search, search_team, single, solver_verifier"):
         build_workflow("debate")
     with pytest.raises(ValueError, match="num_workers"):
         build_workflow("single", num_workers=3)
