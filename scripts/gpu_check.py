@@ -15,6 +15,8 @@ against a reference — never on an exit code alone:
   after an optimizer step and a sync, with prompts longer than a KV block (stale prefix blocks
   would show);
 - ``vllm · team step``: a team step on the engine — mismatch under tolerance, TIS weight near 1;
+  ``vllm · sleep during the update``: the same with ``rollout.sleep_during_update`` (the engine's
+  memory released while the update runs, woken before the sync);
 - ``vllm · torchrun``: one engine per rank on its own GPU (needs ≥ 2 GPUs);
 - ``staleness · <layout>``: ``rollout.max_staleness: 1`` (the next rollout on a copy in a background
   thread while the update runs): staleness logged 0 then 1 on every step, and a run cut before its
@@ -282,12 +284,13 @@ def vllm_engine_check(args, tmp: Path) -> dict:
         engine.close()
 
 
-def vllm_team_check(args, tmp: Path) -> dict:
+def vllm_team_check(args, tmp: Path, sleep: bool = False) -> dict:
     from srpo.build import load_config
     from srpo.train import Trainer
 
-    cfg = load_config(CONFIG, overrides(args, tmp / "vllm-team", "run.steps=2", "rollout.engine=vllm",
-                                        "rollout.gpu_memory_utilization=0.3", "train.tis_cap=2"))
+    cfg = load_config(CONFIG, overrides(args, tmp / f"vllm-team{'-sleep' if sleep else ''}", "run.steps=2",
+                                        "rollout.engine=vllm", "rollout.gpu_memory_utilization=0.3", "train.tis_cap=2",
+                                        f"rollout.sleep_during_update={'true' if sleep else 'false'}"))
     trainer = Trainer(cfg, progress=False)
     try:
         rows = trainer.fit()
@@ -349,6 +352,8 @@ def combinations(args, tmp: Path):
     no_vllm = "vllm is not installed (pip install 'srpo[vllm]')"
     yield "vllm · engine", (lambda: vllm_engine_check(args, tmp)) if has_vllm else no_vllm
     yield "vllm · team step", (lambda: vllm_team_check(args, tmp)) if has_vllm else no_vllm
+    yield "vllm · sleep during the update", ("vLLM's sleep mode needs CUDA" if args.device == "cpu" else no_vllm
+                                             if not has_vllm else (lambda: vllm_team_check(args, tmp, sleep=True)))
     yield "vllm · torchrun", ("needs 2 or more GPUs (one engine per rank, each on its own GPU)" if gpus < 2 else
                               no_vllm if not has_vllm else (lambda: vllm_torchrun_check(args, tmp, gpus)))
     for layout in ("shared", "lora"):

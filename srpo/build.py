@@ -338,7 +338,8 @@ def engine(cfg: Config, policies_):
         return VLLMRollout(policies_, cfg.model.name, dtype=engine_dtype(cfg), seed=cfg.run.seed,
                            settings=EngineSettings(cfg.rollout.gpu_memory_utilization, max_len,
                                                    max_lora_rank=cfg.model.lora.r,
-                                                   seed_requests=cfg.rollout.seed_requests))
+                                                   seed_requests=cfg.rollout.seed_requests,
+                                                   sleep_mode=cfg.rollout.sleep_during_update))
     from srpo.rollout.builtin import BuiltinEngine
 
     return BuiltinEngine(policies_)

@@ -377,6 +377,10 @@ class RolloutConfig(Section):
     policies samples in a background thread); q_old is recomputed and train.tis_cap corrects the
     gap; ``rollout/staleness_mean|max`` are logged every step.  (More than one rollout in flight
     needs a rollout pool of its own: not offered.)"""
+    sleep_during_update: bool = False
+    """vllm on CUDA: release the engine's memory while the update runs (vLLM's sleep mode: the KV
+    cache dropped; the weights dropped too for shared/separate, which the sync rewrites, or kept in
+    CPU memory for lora) and take it back before the sync — more room for the update's activations."""
     seed_requests: bool = True
     """vllm on CUDA: give every request its own seed drawn from srpo's generator (reproducible
     rollouts; vLLM then samples those rows with per-request generators, which may be slower —
@@ -444,6 +448,9 @@ class Config(Section):
         if t.parallel == "fsdp" and self.model.layout == "lora":
             raise ValueError("train.parallel: fsdp shards full models (model.layout shared or separate); a LoRA "
                              "layout trains adapters of a few MB — use ddp")
+        if self.rollout.sleep_during_update and (self.rollout.engine != "vllm" or self.run.device == "cpu"):
+            raise ValueError("rollout.sleep_during_update: vLLM's sleep mode needs rollout.engine: vllm on a CUDA "
+                             "device (run.device: cuda); the CPU build does not offer it")
         if self.rollout.max_staleness and t.parallel == "fsdp":
             raise ValueError("rollout.max_staleness: 1 with train.parallel: fsdp is not supported yet: the overlapped "
                              "rollout samples from a full copy of the weights, which a sharded run does not hold")

@@ -177,3 +177,35 @@ def test_gpu_check_runs_reduced_on_cpu_and_cannot_say_ok_when_wrong(tmp_path):
     (record,) = json.loads((tmp_path / "s.json").read_text())["combinations"]
     assert record["verdict"] == "FAILED" and record["stage"] == "compare resumed with straight"
     assert "Traceback" in record["traceback"]
+
+
+def test_sleep_mode_releases_the_engines_before_the_update_and_wakes_them_before_the_sync():
+    """rollout.sleep_during_update: the call order on a stand-in for vLLM's LLM (the sleep mode
+    itself needs CUDA), and the refusal where it cannot run."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from srpo.build import config_from_dict
+    from srpo.config import ConfigError
+    from srpo.rollout.vllm import VLLMEngine, VLLMRollout
+
+    calls = []
+    llm = SimpleNamespace(sleep=lambda level: calls.append(("sleep", level)), wake_up=lambda: calls.append("wake"))
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.llm, engine.asleep = llm, 0
+    engine.sync = lambda state: calls.append("sync")
+    engine.sync_adapter = lambda pid, save: calls.append("sync")
+    for layout, level, name in (("shared", 2, "p"), ("lora", 1, "base")):
+        calls.clear()
+        rollout = VLLMRollout.__new__(VLLMRollout)
+        rollout.sleep_mode, rollout.engines = True, {name: engine}
+        rollout.policies = SimpleNamespace(layout=layout, policy_ids=["p"],
+                                           model_for=lambda pid: SimpleNamespace(state_dict=lambda: {}))
+        rollout.release()
+        rollout.release()  # already asleep: once
+        rollout.update_weights()
+        assert calls == [("sleep", level), "wake", "sync"] and engine.asleep == 0
+    with pytest.raises(ConfigError, match="sleep mode needs rollout.engine: vllm on a CUDA"):
+        config_from_dict({"model": {"name": "tiny-llama"}, "rollout": {"sleep_during_update": True},
+                          "task": {"kind": "math", "train": {"source": "synthetic_arithmetic"}}})

@@ -22,6 +22,9 @@ class BuiltinEngine:
     def generate(self, requests: list[GenerationRequest], generator: torch.Generator | None = None) -> list[Sample]:
         return self.policies.generate(requests, generator)
 
+    def release(self) -> None:
+        """Nothing to release: the sampler holds no memory of its own between rollouts."""
+
     def update_weights(self) -> None:
         """Nothing to do: the sampler reads the weights the optimizer just changed."""
 

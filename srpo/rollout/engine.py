@@ -13,7 +13,7 @@ Two implementations, selected by the assembly layer (:func:`srpo.build.engine`) 
 ``vllm`` (:class:`srpo.rollout.vllm.VLLMRollout`)  colocated vLLM engine(s), weights pushed in
     after every update.
 
-A new engine (an SGLang server, a remote pool) implements these three methods and gets one line in
+A new engine (an SGLang server, a remote pool) implements these four methods and gets one line in
 :func:`srpo.build.engine`.
 """
 
@@ -32,6 +32,11 @@ class RolloutEngine(Protocol):
 
     def generate(self, requests: list[GenerationRequest], generator: torch.Generator | None = None) -> list[Sample]:
         """One sample per request, in order, with its token ids and behaviour log-probs."""
+        ...
+
+    def release(self) -> None:
+        """Give back what sampling holds while the trainer updates (the next
+        :meth:`update_weights` takes it again); may do nothing."""
         ...
 
     def update_weights(self) -> None:

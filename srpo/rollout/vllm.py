@@ -155,6 +155,7 @@ class EngineSettings:
     max_loras: int = 1  # LoRA adapters one batch may mix (the number of policies: no batch runs one at a time)
     seed_requests: bool = True  # CUDA: a seed per request from srpo's generator (CPU: never; see generate)
     bucket_bytes: int = SYNC_BUCKET_BYTES
+    sleep_mode: bool = False  # CUDA: vLLM's sleep mode, so the engine's memory is released during updates
 
 
 _FINISH = {"length": "length", "stop": "stop", "abort": "length"}
@@ -187,7 +188,7 @@ class VLLMEngine:
                            gpu_memory_utilization=settings.gpu_memory_utilization,
                            max_model_len=settings.max_model_len, enable_prefix_caching=True,
                            logprobs_mode="processed_logprobs", worker_extension_cls="srpo.rollout.vllm.WeightSync",
-                           **lora)
+                           **({"enable_sleep_mode": True} if settings.sleep_mode else {}), **lora)
         finally:
             if visible is not None:
                 if saved is None:
@@ -196,6 +197,7 @@ class VLLMEngine:
                     os.environ["CUDA_VISIBLE_DEVICES"] = saved
         self.shm = Path(tempfile.mkdtemp(prefix=f"srpo-vllm-{os.getpid()}-", dir=staging_root(settings.bucket_bytes)))
         self.loras: dict[str, object] = {}  # policy id → its current LoRARequest
+        self.asleep = 0  # the sleep level the engine is in (0: awake)
         self.sync_stats = {"syncs": 0, "buckets": 0, "max_bucket_bytes": 0}
 
     # ------------------------------------------------------------------------------ sampling
@@ -245,6 +247,19 @@ class VLLMEngine:
         self.sync_stats["syncs"] += 1
         self.reset_prefix_cache()
 
+    def sleep(self, level: int) -> None:
+        """Release the engine's GPU memory while the trainer updates (vLLM's sleep mode): the KV
+        cache is dropped; level 1 keeps the weights in CPU memory, level 2 drops them too (right
+        when a full sync follows).  The next :meth:`wake` restores them."""
+        if not self.asleep:
+            self.llm.sleep(level=level)
+            self.asleep = level
+
+    def wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = 0
+
     def reset_prefix_cache(self) -> None:
         """Forget cached prompt blocks: their keys and values were computed with the old weights."""
         reset = getattr(self.llm, "reset_prefix_cache", None)
@@ -286,6 +301,7 @@ class VLLMRollout:
 
     def __init__(self, policies, model_name: str, *, dtype: str, seed: int, settings: EngineSettings):
         self.policies = policies
+        self.sleep_mode = settings.sleep_mode
         staging = Path(tempfile.mkdtemp(prefix="srpo-engine-src-"))
         try:
             if policies.layout == "lora":
@@ -305,9 +321,22 @@ class VLLMRollout:
             shutil.rmtree(staging, ignore_errors=True)
         self.update_weights()
 
+    def release(self) -> None:
+        """Before an update (``rollout.sleep_during_update``): every engine sleeps — level 2 when
+        the next sync writes every weight anyway (``shared``, ``separate``), level 1 for ``lora``
+        (the base is not synced: it waits in CPU memory)."""
+        if not self.sleep_mode:
+            return
+        level = 1 if self.policies.layout == "lora" else 2
+        for engine in self.engines.values():
+            engine.sleep(level)
+
     def update_weights(self) -> None:
-        """Push the current weights (or adapters) into the engine(s); call after optimizer steps."""
+        """Push the current weights (or adapters) into the engine(s); call after optimizer steps
+        (an engine put to sleep by :meth:`release` wakes first)."""
         policies = self.policies
+        for engine in self.engines.values():
+            engine.wake()
         if policies.layout == "lora":
             engine = self.engines["base"]
             for pid in policies.policy_ids:

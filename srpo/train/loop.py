@@ -208,6 +208,7 @@ class Trainer:
         else:
             episodes = self.overlapped_rollout()
         t_rollout = time.perf_counter() - t0
+        self.engine.release()  # rollout.sleep_during_update: the engine's memory is the update's until the sync
         staleness = [self.policies.version(m.policy_id) - m.policy_version
                      for ep in episodes for e in ep.events for m in e.members]
         valid, dropped = validate_events([e for ep in episodes for e in ep.events])
