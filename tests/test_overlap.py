@@ -107,3 +107,24 @@ def test_what_the_overlap_does_not_support_yet_is_refused(extra, match):
         data.setdefault(key, {}).update(value)
     with pytest.raises(ConfigError, match=match):
         config_from_dict(data)
+
+
+@pytest.mark.slow
+def test_staleness_one_trains_under_ddp(tmp_path):
+    import shutil
+    import sys
+    from pathlib import Path
+
+    from test_distributed import free_port
+    from test_reliability_runs import ROOT
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists() and shutil.which("torchrun") is None:
+        pytest.skip("torchrun is not installed")
+    run = tmp_path / "run"
+    cmd = [str(torchrun if torchrun.exists() else "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
+           "-m", "srpo.cli", "train", "--config", str(ROOT / "configs/math/single/srpo.yaml"),
+           *[x for o in tiny(run, ["run.steps=3", "rollout.max_staleness=1"]) for x in ("--set", o)]]
+    done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["rollout/staleness_max"] for r in read_metrics(run)] == [0, 1, 1]
