@@ -457,8 +457,6 @@ class Config(Section):
         if self.rollout.max_staleness and self.rollout.engine == "vllm":
             raise ValueError("rollout.max_staleness: 1 with rollout.engine: vllm is not supported yet (the engine "
                              "generating while its weights are synced is not verified); use engine hf, or staleness 0")
-        if t.parallel == "fsdp" and self.method.kl_coef > 0:
-            raise ValueError("method.kl_coef: a KL reference model is not yet supported with train.parallel: fsdp")
         if self.task.corpus and self.retriever.url:
             raise ValueError("retriever.url: a run retrieves from a server or from task.corpus, not both; unset one")
         if self.task.train.corpus:

@@ -49,13 +49,13 @@ def global_batch(trainer, cfg):
     return assign_advantages(events, cfg.method.name)
 
 
-def update(out_path: str, run_dir: str, parallel: str) -> None:
+def update(out_path: str, run_dir: str, parallel: str, *extra: str) -> None:
     start()
     cfg = load_config(None, [
         f"run.output_dir={run_dir}", "model.name=tiny-llama", "workflow.name=parallel_aggregate",
         "workflow.options={num_workers: 3}", "workflow.max_new_tokens=8", "train.tasks_per_step=3",
         "train.group_size=3", "train.optimizer=sgd", "train.lr=0.5", "train.epochs=2", "train.microbatches=2",
-        "task.train.n=6", "log.tensorboard=false", f"train.parallel={parallel}"])
+        "task.train.n=6", "log.tensorboard=false", f"train.parallel={parallel}", *extra])
     trainer = Trainer(cfg, progress=False, reward_fn=varied_reward)
     dist = trainer.backend
     events = global_batch(trainer, cfg)
@@ -119,7 +119,7 @@ def resume_overrides(run_dir: str, steps: int = 2) -> list[str]:
 
 if __name__ == "__main__":
     if sys.argv[1] == "update":
-        update(*sys.argv[2:5])
+        update(*sys.argv[2:])
     elif sys.argv[1] == "update_by_policy":
         update_by_policy(*sys.argv[2:5])
     else:

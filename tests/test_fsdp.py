@@ -139,3 +139,17 @@ def test_a_two_node_launch_on_loopback_trains_a_step(tmp_path):
         assert p.returncode == 0, err[-3000:]
     assert (run / "checkpoints" / "step_0000001" / "dcp").is_dir()
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_fsdp_with_a_kl_reference_updates_like_one_plain_process(tmp_path):
+    plain, two, without = tmp_path / "plain.pt", tmp_path / "fsdp2.pt", tmp_path / "nokl.pt"
+    kl = "method.kl_coef=0.5"
+    check(subprocess.run([sys.executable, str(WORKER), "update", str(plain), str(tmp_path / "r0"), "ddp", kl], env=ENV,
+                         capture_output=True, text=True, timeout=600))
+    check(torchrun(2, str(WORKER), "update", str(two), str(tmp_path / "r2"), "fsdp", kl))
+    check(subprocess.run([sys.executable, str(WORKER), "update", str(without), str(tmp_path / "r3"), "ddp"], env=ENV,
+                         capture_output=True, text=True, timeout=600))
+    a, b, c = torch.load(plain), torch.load(two), torch.load(without)
+    assert max((a[k] - c[k]).abs().max().item() for k in a) > 1e-3, "the KL term must change the update"
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-6, rtol=1e-5), k

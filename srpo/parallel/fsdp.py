@@ -156,6 +156,9 @@ class FullyShardedDataParallel(DataParallel):
             raise ValueError(f"FSDP shards full models (layouts shared, separate), not the {policies.layout} layout")
         self.roots = {pid: shard(policies.model_for(pid), self.run_device, self.bf16_compute)
                       for pid in policies.policy_ids}
+        # A KL reference (method.kl_coef > 0) stays unsharded on every rank: its no-grad forward is
+        # then no collective, so ranks need not run it alike (memory: one more copy of the model per
+        # rank; accelerate's cpu_offload was tried and changed the log-probs — it is not used).
         policies.logprob_modules = dict(self.roots)
         policies.sampling_check = self._require_gathered
         with torch.no_grad():  # FSDP sets itself up on the root's first forward, which must come first
