@@ -120,12 +120,14 @@ class DataParallel(SingleProcess):
         self.rank = torch.distributed.get_rank() if self.enabled else 0
         self.world = torch.distributed.get_world_size() if self.enabled else 1
         self._store = None
-        if self.enabled:
+        self._beat_stop = None
+        if self.enabled and self.world > 1:  # one rank has no peer to name
             self._start_heartbeat()
 
     def _start_heartbeat(self) -> None:
         """A daemon thread that writes this rank's wall-clock time to the store every second: a
         stopped or frozen process stops writing, so a timed-out collective can name it."""
+        import atexit
         import threading
         import time
 
@@ -133,22 +135,34 @@ class DataParallel(SingleProcess):
             self._store = torch.distributed.distributed_c10d._get_default_store()
         except Exception:  # noqa: BLE001
             return
+        stop = self._beat_stop = threading.Event()
 
         def beat():
-            while True:
+            while not stop.is_set():
                 try:
                     self._store.set(f"srpo/heartbeat/{self.rank}", str(time.time()))
                 except Exception:  # noqa: BLE001 — the store is gone: the job is ending
                     return
-                time.sleep(self.HEARTBEAT_S)
+                stop.wait(self.HEARTBEAT_S)
 
-        threading.Thread(target=beat, name="srpo-heartbeat", daemon=True).start()
+        thread = threading.Thread(target=beat, name="srpo-heartbeat", daemon=True)
+        thread.start()
+        self._beat_thread = thread
+        # Stopped before the interpreter tears the store down: a thread inside a store call at
+        # that moment aborts the process ("terminate called without an active exception").
+        atexit.register(self._stop_heartbeat)
+
+    def _stop_heartbeat(self) -> None:
+        if getattr(self, "_beat_stop", None) is not None:
+            self._beat_stop.set()
+            self._beat_thread.join(timeout=5)
+            self._beat_stop = None
 
     def silent_ranks(self) -> list[int]:
         """Ranks whose heartbeat is older than five beats (unknown: [])."""
         import time
 
-        if self._store is None:
+        if getattr(self, "_store", None) is None:
             return []
         now, silent = time.time(), []
         for r in range(self.world):
@@ -264,6 +278,7 @@ class DataParallel(SingleProcess):
         A rank that exits while another still holds the group can be aborted by gloo's teardown
         ("terminate called without an active exception"), failing a run that had finished.
         """
+        self._stop_heartbeat()
         if self.enabled and torch.distributed.is_initialized():
             torch.distributed.barrier()
             torch.distributed.destroy_process_group()

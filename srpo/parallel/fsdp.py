@@ -60,6 +60,12 @@ def ensure_process_group(run_device: str = "cpu") -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RuntimeError("WORLD_SIZE > 1 but no process group: launch with torchrun")
     dist.init_process_group(process_group_backend(run_device), store=dist.HashStore(), rank=0, world_size=1)
+    # Torn down before the interpreter's own teardown: a gloo group destroyed at exit with its
+    # threads still running can abort the process ("terminate called without an active exception")
+    # after everything succeeded.
+    import atexit
+
+    atexit.register(lambda: dist.destroy_process_group() if dist.is_initialized() else None)
 
 
 def shard(model: nn.Module, run_device: str = "cpu", bf16_compute: bool = False) -> LogProbModule:
