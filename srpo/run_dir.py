@@ -122,10 +122,40 @@ def refuse_links(folder: str | Path, names) -> None:
                               f"only its own files in a run folder — remove the link or choose another folder")
 
 
+def _written_by_srpo(path: Path) -> bool:
+    """Whether an artefact of a run folder from before ownership records is verifiably srpo's by
+    its content: logs whose first row is a srpo row, checkpoint folders with srpo's manifest,
+    TensorBoard folders holding only event files.  Anything else is not adopted."""
+    import itertools
+
+    if path.is_symlink():
+        return False
+    try:
+        if path.name in ("metrics.jsonl", "samples.jsonl") and path.is_file():
+            with path.open() as f:
+                first = json.loads(f.readline() or "{}")
+            return isinstance(first, dict) and "step" in first and (
+                any(k.startswith("time/") for k in first) if path.name == "metrics.jsonl" else "episode" in first)
+        if path.name == "checkpoints" and path.is_dir():
+            entries = list(itertools.islice(path.iterdir(), 1000))
+            return bool(entries) and all(
+                (e.is_dir() and not e.is_symlink() and (e.name.startswith(".step_") or (e / "manifest.json").is_file()))
+                or e.name in ("best.json", "latest") for e in entries)
+        if path.name == "tensorboard" and path.is_dir():
+            files = [f for f in path.rglob("*") if f.is_file() or f.is_symlink()]
+            return bool(files) and all(f.name.startswith("events.out.tfevents") and not f.is_symlink() for f in files)
+    except (OSError, ValueError):
+        return False
+    return False
+
+
 def owned(folder: str | Path) -> set[str]:
-    """The names srpo recorded creating in ``folder`` (empty: none, or a folder from before records)."""
+    """The names srpo recorded creating in ``folder`` — or, for a run folder written before these
+    records (it has srpo's lock file and no record), the artefacts verifiably srpo's by content."""
     path = Path(folder) / OWNED_FILE
     if path.is_symlink() or not path.is_file():
+        if (Path(folder) / LOCK_FILE).is_file() and not (Path(folder) / LOCK_FILE).is_symlink():
+            return {n for n in RUN_ARTEFACTS if _written_by_srpo(Path(folder) / n)}
         return set()
     try:
         data = json.loads(path.read_text())

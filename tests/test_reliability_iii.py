@@ -400,3 +400,17 @@ def test_a_study_folder_with_a_planted_link_is_refused_before_any_cell(tmp_path)
     with pytest.raises(RunDirError, match="symbolic link srpo did not make"):
         run_study(tmp_path / "s.yaml", progress=False)
     assert target.read_text() == "precious" and not (out / "srpo").exists()
+
+
+def test_a_run_folder_from_before_ownership_records_is_adopted_only_where_srpo_wrote_it(tmp_path):
+    run = tmp_path / "old"
+    trained(run, ["run.steps=1"])
+    (run / ".srpo-owned.json").unlink()  # as written by srpo before the records existed
+    (run / "checkpoints" / "user-notes.txt").write_text("mine")  # a foreign file inside: not adopted
+    from srpo.run_dir import owned
+
+    assert owned(run) >= {"metrics.jsonl", "samples.jsonl"} and "checkpoints" not in owned(run)
+    (run / "checkpoints" / "user-notes.txt").unlink()
+    assert "checkpoints" in owned(run)
+    trained(run, ["run.steps=1"], overwrite=True)  # the old demo folder case: --overwrite replaces it
+    assert steps_logged(run) == [1]
