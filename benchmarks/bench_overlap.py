@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def child(staleness: int, threads: int, steps: int, k: int, run_dir: str) -> dict:
+def child(staleness: int, threads: int, steps: int, k: int, run_dir: str, tis_cap: float = 0.0) -> dict:
     import torch
 
     from srpo import build
@@ -41,7 +41,8 @@ def child(staleness: int, threads: int, steps: int, k: int, run_dir: str) -> dic
     torch.set_num_threads(threads)
     data = json.loads(json.dumps(DEMO_CONFIG))
     apply_overrides(data, {"run.output_dir": run_dir, "run.steps": steps, "run.threads": threads,
-                           "rollout.max_staleness": staleness, "eval.every": 0, "checkpoint.every": 0})
+                           "rollout.max_staleness": staleness, "eval.every": 0, "checkpoint.every": 0,
+                           "train.tis_cap": tis_cap})
     cfg = config_from_dict(data)
     trainer = Trainer(cfg, progress=False, overwrite=True)
     trainer.fit()
@@ -65,19 +66,21 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("-k", type=int, default=4)
+    parser.add_argument("--tis-cap", type=float, default=0.0,
+                        help="train.tis_cap for both modes (0: off; the overlapped mode's one-version gap is what it corrects)")
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", default="", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="runs/bench_overlap.json")
     args = parser.parse_args()
     if args.child is not None:
-        print(json.dumps(child(args.child, args.threads, args.steps, args.k, args.run_dir)))
+        print(json.dumps(child(args.child, args.threads, args.steps, args.k, args.run_dir, args.tis_cap)))
         return 0
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for staleness in (0, 1):
                 out = subprocess.run([sys.executable, __file__, "--child", str(staleness), "--threads", str(args.threads),
-                                      "--steps", str(args.steps), "-k", str(args.k),
+                                      "--steps", str(args.steps), "-k", str(args.k), "--tis-cap", str(args.tis_cap),
                                       "--run-dir", f"{tmp}/r{r}-s{staleness}"],
                                      capture_output=True, text=True, check=True, env={"PYTHONPATH": str(ROOT),
                                                                                       **__import__("os").environ})
