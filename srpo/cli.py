@@ -231,7 +231,7 @@ def _serve(args) -> int:
     from srpo.build import config_from_dict
     from srpo.config import apply_overrides
     from srpo.gateway.backends import ServeBackend
-    from srpo.gateway.server import GatewayError, serve_forever
+    from srpo.gateway.server import serve_forever
 
     data, checkpoint = _model_config(args)
     if args.engine:
@@ -254,10 +254,8 @@ def _serve(args) -> int:
         print(f"serving {', '.join(backend.roles)} ({args.model}) at http://{host}:{port}/v1 — Ctrl-C stops",
               flush=True)
 
-    try:
+    try:  # a port in use is a ServeError: one error line (main)
         serve_forever(backend, args.host, args.port, ready=ready)
-    except GatewayError as err:
-        raise UsageError(str(err)) from None
     finally:
         engine.close()
     return 0

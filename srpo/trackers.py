@@ -245,8 +245,7 @@ class GuardedTracker:
         if self.tracker is not None:
             self._call("closing its run", self.tracker.close, status)
             self.tracker = None
-        if self.off is None or self._calls.empty():
-            self._calls.put(None)
+        self._calls.put(None)  # the worker thread ends (after a call that hung: whenever it returns)
 
 
 def open_trackers(backends: list[str], settings: TrackerSettings) -> list[GuardedTracker]:

@@ -3,7 +3,6 @@ built-in workflows, real clients (openai, LangGraph) trained end to end, and ser
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -164,9 +163,10 @@ def test_the_endpoint_speaks_openai_to_the_openai_client(gateway):
 
 
 def test_a_port_in_use_is_one_clear_error(gateway):
-    from srpo.gateway.server import Gateway, GatewayError
+    from srpo.gateway.server import Gateway
+    from srpo.serving import ServeError
 
-    with pytest.raises(GatewayError, match="in use"):
+    with pytest.raises(ServeError, match="in use"):
         Gateway(port=gateway.port)
 
 
@@ -218,7 +218,8 @@ def test_a_team_written_with_the_openai_client_gives_the_builtin_events(name, op
         assert [(e.size, sorted(m.role for m in e.members)) for e in a.events] == \
                [(e.size, sorted(m.role for m in e.members)) for e in b.events], (a.transcript, b.transcript)
         assert all(e.is_valid for e in b.events)
-    assert [r.answer for r in expected] == [r.answer for r in got] or name != "single"
+    if name == "single":  # the same transcripts: the same final answer
+        assert [r.answer for r in expected] == [r.answer for r in got]
     # Batched across episodes as the built-in runtime batches: as many model calls (a little slack
     # for a thread that misses the batch window on a loaded machine).
     assert len(gateway_calls) <= len(builtin_calls) + 2, (builtin_calls, gateway_calls)
@@ -238,7 +239,7 @@ def test_a_program_that_fails_or_hangs_costs_its_episode_only(caplog):
         failed = [r for r in results if r.info.get("failed")]
         assert len(failed) == 2 and all(r.reward == 0.0 for r in failed)
         assert all(r.reward == 1.0 for r in results if not r.info.get("failed"))
-        assert sum(r.info.get(counter, 0) for r in results) == 2 or counter == "workflow_errors"
+        assert sum(r.info.get(counter, 0) for r in results) == 2
         assert runtime.failures["workflow"] == 2
         assert all(sum(e.size for e in r.events) == 1 for r in results)  # the sampled answer is kept
 

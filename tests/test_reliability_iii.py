@@ -299,7 +299,7 @@ def test_a_frozen_torchrun_rank_is_named_and_the_run_ends(tmp_path):
                 env = (Path("/proc") / pid / "environ").read_bytes().split(b"\0")
             except (OSError, ValueError):
                 continue
-            if b"RANK=1" in env and f"TORCHELASTIC_RUN_ID".encode() in b"".join(e[:20] for e in env) \
+            if b"RANK=1" in env and any(e.startswith(b"TORCHELASTIC_RUN_ID=") for e in env) \
                     and any(str(run).encode() in a for a in (Path("/proc") / pid / "cmdline").read_bytes().split(b"\0")):
                 rank1 = int(pid)
         assert rank1 is not None, "rank 1's process"

@@ -31,17 +31,6 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 << 20  # 8 MiB: a long multi-agent transcript fits; a runaway client does not
 
 
-class GatewayError(ServeError):
-    """The gateway cannot start (a port in use, the server libraries missing)."""
-
-
-def bind(host: str, port: int):
-    try:
-        return serving.bind(host, port)
-    except ServeError as err:
-        raise GatewayError(str(err)) from None
-
-
 def _uvicorn_server(app):
     # A training step's requests wait for a batch: the read timeout is for a stalled body only.
     return serving.uvicorn_server(app, header_timeout_s=30.0, read_timeout_s=60.0, limit_concurrency=4096)
@@ -52,7 +41,7 @@ def _require_server_libraries():
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
-        raise GatewayError("the OpenAI-compatible gateway needs starlette and uvicorn: "
+        raise ServeError("the OpenAI-compatible gateway needs starlette and uvicorn: "
                            "pip install 'srpo[gateway]'") from None
 
 
@@ -136,7 +125,7 @@ class Gateway:
         _require_server_libraries()
         self._backends: dict[str, Any] = {}
         self._lock = threading.Lock()
-        self._sock = bind(host, port)
+        self._sock = serving.bind(host, port)
         self.host, self.port = self._sock.getsockname()[:2]
         self._server = _uvicorn_server(build_app(self._resolve))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
@@ -145,7 +134,7 @@ class Gateway:
         deadline = time.monotonic() + 30
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise GatewayError(f"the gateway on {self.host}:{self.port} did not start")
+                raise ServeError(f"the gateway on {self.host}:{self.port} did not start")
             time.sleep(0.01)
 
     def _resolve(self, token: str | None):
@@ -195,7 +184,7 @@ def serve_forever(backend, host: str = "127.0.0.1", port: int = 8000, *, ready=N
     """``srpo serve``: the routes at ``/v1`` (and per-token routes, unused) in this thread until
     interrupted.  ``ready(host, port)`` is called once it listens."""
     _require_server_libraries()
-    sock = bind(host, port)
+    sock = serving.bind(host, port)
     server = _uvicorn_server(build_app(lambda token: backend if token is None else None, serve_root=True))
     if ready is not None:
         real_startup = server.startup

@@ -100,13 +100,7 @@ class OverlappedRollout:
             raise RuntimeError("the rollout copy is in use")
         with torch.no_grad():
             for src, dst in zip(policies.modules(), self.policies.modules()):
-                dst_params = dict(dst.named_parameters())
-                for name, p in src.named_parameters():
-                    dst_params[name].copy_(p.detach())
-                dst_buffers = dict(dst.named_buffers())
-                for name, b in src.named_buffers():
-                    if name in dst_buffers:
-                        dst_buffers[name].copy_(b)
+                dst.load_state_dict(src.state_dict())  # copies in place: the copy stays frozen
         self.policies.versions = dict(policies.versions)
 
 
@@ -120,8 +114,7 @@ def episodes_to_plain(episodes: list[EpisodeResult]) -> list[dict[str, Any]]:
                     "transcript": ep.transcript,
                     "task": {"task_id": task.task_id, "question": task.question, "answers": list(task.answers),
                              "kind": task.kind, "source": task.source, "meta": task.meta},
-                    "events": [{**{k: v for k, v in asdict(e).items() if k != "members"},
-                                "members": [asdict(m) for m in e.members]} for e in ep.events]})
+                    "events": [asdict(e) for e in ep.events]})  # members included, as dicts
     return out
 
 
