@@ -339,6 +339,7 @@ def engine(cfg: Config, policies_):
                            settings=EngineSettings(cfg.rollout.gpu_memory_utilization, max_len,
                                                    max_lora_rank=cfg.model.lora.r,
                                                    seed_requests=cfg.rollout.seed_requests,
+                                                   bucket_bytes=cfg.rollout.sync_bucket_mb << 20,
                                                    sleep_mode=cfg.rollout.sleep_during_update))
     from srpo.rollout.builtin import BuiltinEngine
 

@@ -381,6 +381,10 @@ class RolloutConfig(Section):
     """vllm on CUDA: release the engine's memory while the update runs (vLLM's sleep mode: the KV
     cache dropped; the weights dropped too for shared/separate, which the sync rewrites, or kept in
     CPU memory for lora) and take it back before the sync — more room for the update's activations."""
+    sync_bucket_mb: Annotated[int, Field(ge=1)] = 256
+    """vllm: the most megabytes of weights one weight-sync bucket holds — the extra memory of a sync
+    (a tensor larger than this travels alone).  Under train.parallel: fsdp each parameter is
+    gathered from the shards only when its bucket is filled."""
     seed_requests: bool = True
     """vllm on CUDA: give every request its own seed drawn from srpo's generator (reproducible
     rollouts; vLLM then samples those rows with per-request generators, which may be slower —
@@ -431,8 +435,6 @@ class Config(Section):
         if t.tis_cap and (t.tis_cap < 1 or t.old_logprobs != "recompute"):
             raise ValueError(f"train.tis_cap: must be 0 (off) or ≥ 1 with train.old_logprobs: recompute, got "
                              f"{t.tis_cap} with {t.old_logprobs}")
-        if r.engine == "vllm" and t.parallel == "fsdp":
-            raise ValueError("rollout.engine: vllm with train.parallel: fsdp is not supported yet (use ddp)")
         if self.model.dtype != "float32" and self.model.layout != "lora" and not t.low_precision_weights:
             raise ValueError(
                 f"model.dtype: {self.model.dtype} with the {self.model.layout} layout trains {self.model.dtype} weights "
@@ -445,9 +447,6 @@ class Config(Section):
                 "workflow.roles.<role>.top_p: below 1 with rollout.engine: vllm the engine's behaviour log-probs "
                 "include its top-p renormalisation and the trainer's do not — the logged mismatch and train.tis_cap "
                 "would be biased; sample with top_p 1 on vLLM, or use rollout.engine: hf")
-        if t.parallel == "fsdp" and self.model.layout == "lora":
-            raise ValueError("train.parallel: fsdp shards full models (model.layout shared or separate); a LoRA "
-                             "layout trains adapters of a few MB — use ddp")
         if self.rollout.sleep_during_update and (self.rollout.engine != "vllm" or self.run.device == "cpu"):
             raise ValueError("rollout.sleep_during_update: vLLM's sleep mode needs rollout.engine: vllm on a CUDA "
                              "device (run.device: cuda); the CPU build does not offer it")

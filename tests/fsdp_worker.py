@@ -36,9 +36,16 @@ def start() -> None:
 
 
 def full_weights(trainer) -> dict:
+    """The trained weights, full: the shared model's, or (lora) every adapter's tensors."""
+    policies = trainer.policies
+    if policies.layout == "lora":
+        if trainer.backend.sharded_optimizer_state:
+            gathered = trainer.backend.full_state_dicts(policies)
+            return {n: t for sd in gathered.values() for n, t in sd.items()}
+        return {n: t for pid in policies.policy_ids for n, t in policies.adapter_state(pid).items()}
     if trainer.backend.sharded_optimizer_state:
-        return dict(trainer.backend.full_state_dicts(trainer.policies)["shared"])
-    return {k: v.detach().clone() for k, v in trainer.policies.model_for("shared").state_dict().items()}
+        return dict(trainer.backend.full_state_dicts(policies)["shared"])
+    return {k: v.detach().clone() for k, v in policies.model_for("shared").state_dict().items()}
 
 
 def global_batch(trainer, cfg):
@@ -68,14 +75,14 @@ def update(out_path: str, run_dir: str, parallel: str, *extra: str) -> None:
     dist.close()
 
 
-def update_by_policy(out_path: str, run_dir: str, parallel: str) -> None:
+def update_by_policy(out_path: str, run_dir: str, parallel: str, layout: str = "separate") -> None:
     """The ``separate`` layout (one model per role of solver_verifier): under two ranks, rank 0
     updates on the solver's events only and rank 1 on the verifier's — each rank holds events of
     one policy, so each runs idle passes for the other, and both must issue FSDP's collectives in
     one order.  One process updates on every event."""
     start()
     cfg = load_config(None, [
-        f"run.output_dir={run_dir}", "model.name=tiny-llama", "model.layout=separate", "workflow.name=solver_verifier",
+        f"run.output_dir={run_dir}", "model.name=tiny-llama", f"model.layout={layout}", "workflow.name=solver_verifier",
         "workflow.options={rounds: 1}", "workflow.max_new_tokens=8", "train.tasks_per_step=3", "train.group_size=3",
         "train.optimizer=sgd", "train.lr=0.5", "task.train.n=6", "log.tensorboard=false",
         "train.skip_zero_advantage=false", f"train.parallel={parallel}"])
@@ -85,10 +92,13 @@ def update_by_policy(out_path: str, run_dir: str, parallel: str) -> None:
     policies = sorted(trainer.policies.policy_ids)
     mine = events if dist.world == 1 else [e for e in events if e.members[0].policy_id == policies[dist.rank]]
     trainer.update(mine)
-    weights = {pid: (dict(trainer.backend.full_state_dicts(trainer.policies)[pid])
-                     if trainer.backend.sharded_optimizer_state else
-                     {k: v.detach().clone() for k, v in trainer.policies.model_for(pid).state_dict().items()})
-               for pid in policies}
+    if layout == "lora":
+        weights = full_weights(trainer)
+    else:
+        weights = {pid: (dict(trainer.backend.full_state_dicts(trainer.policies)[pid])
+                         if trainer.backend.sharded_optimizer_state else
+                         {k: v.detach().clone() for k, v in trainer.policies.model_for(pid).state_dict().items()})
+                   for pid in policies}
     if dist.rank == 0:
         torch.save(weights, out_path)
     trainer.close()
@@ -121,6 +131,6 @@ if __name__ == "__main__":
     if sys.argv[1] == "update":
         update(*sys.argv[2:])
     elif sys.argv[1] == "update_by_policy":
-        update_by_policy(*sys.argv[2:5])
+        update_by_policy(*sys.argv[2:6])
     else:
         resume(*sys.argv[2:4])

@@ -80,6 +80,63 @@ def test_fsdp_with_a_policy_per_role_and_ranks_holding_different_policies(tmp_pa
             assert torch.allclose(a[pid][k], c[pid][k], atol=1e-6, rtol=1e-5), (pid, k)
 
 
+@pytest.mark.parametrize("kl", [False, True], ids=["no-kl", "kl-reference-adapters-off"])
+def test_fsdp_with_lora_adapters_updates_like_one_plain_process(tmp_path, kl):
+    """model.layout: lora under FSDP (the frozen base and every role's adapter sharded in one PEFT
+    model, each policy's pass through the shared root with its adapter active): two ranks make the
+    same update as one plain process — with a KL term too, whose reference (the base, adapters off)
+    is a collective pass of the same root."""
+    extra = ["model.layout=lora", *(["method.kl_coef=0.5"] if kl else [])]
+    plain, two = tmp_path / "plain.pt", tmp_path / "fsdp2.pt"
+    check(subprocess.run([sys.executable, str(WORKER), "update", str(plain), str(tmp_path / "r0"), "ddp", *extra],
+                         env=ENV, capture_output=True, text=True, timeout=600))
+    check(torchrun(2, str(WORKER), "update", str(two), str(tmp_path / "r2"), "fsdp", *extra))
+    a, c = torch.load(plain), torch.load(two)
+    assert sorted(a) == sorted(c) and len(a) == 4 * 7 * 2 * 2  # 4 roles × 7 target modules × A, B × 2 layers
+    trained_b = [k for k in a if ".lora_B." in k and a[k].abs().max() > 0]
+    assert len(trained_b) == len(a) // 2, "every adapter's B (zero at the start) must be updated"
+    for k in a:
+        assert torch.allclose(a[k], c[k], atol=1e-6, rtol=1e-5), k
+
+
+def test_fsdp_lora_with_ranks_holding_different_adapters(tmp_path):
+    """lora under FSDP, rank 0 holding only the solver's events and rank 1 only the verifier's:
+    each rank runs the other adapter's pass idle, in the same order (each pass reduce-scatters
+    that adapter's gradients only).  Same update as one plain process on every event."""
+    plain, two = tmp_path / "plain.pt", tmp_path / "fsdp2.pt"
+    check(subprocess.run([sys.executable, str(WORKER), "update_by_policy", str(plain), str(tmp_path / "r0"), "ddp",
+                          "lora"], env=ENV, capture_output=True, text=True, timeout=600))
+    check(torchrun(2, str(WORKER), "update_by_policy", str(two), str(tmp_path / "r2"), "fsdp", "lora"))
+    a, c = torch.load(plain), torch.load(two)
+    assert sorted(a) == sorted(c) and {k.split(".lora_")[1].split(".")[1] for k in a} == {"solver", "verifier"}
+    assert all(a[k].abs().max() > 0 for k in a if ".lora_B." in k)
+    for k in a:
+        assert torch.allclose(a[k], c[k], atol=1e-6, rtol=1e-5), k
+
+
+def test_an_fsdp_lora_run_resumed_from_its_checkpoint_ends_where_an_uninterrupted_one_does(tmp_path):
+    """The sharded state of lora under FSDP is the adapters and their optimizers (the frozen base
+    left out): 2 steps, then --resume to 3, ends with the adapters of a straight 3-step run."""
+    from safetensors.torch import load_file
+
+    lora = ["--set", "model.layout=lora"]
+    check(torchrun(2, *srpo_train(tmp_path / "straight", 3, lora)))
+    check(torchrun(2, *srpo_train(tmp_path / "split", 2, lora)))
+    import torch.distributed.checkpoint as dcp
+
+    saved = dcp.FileSystemReader(str(tmp_path / "split" / "checkpoints" / "step_0000002" / "dcp")).read_metadata()
+    weights = [k for k in saved.state_dict_metadata if k.startswith("adapters.model.")]
+    assert weights and all(".lora_" in k for k in weights), [k for k in weights if ".lora_" not in k][:3]  # no base tensor
+    check(torchrun(2, *srpo_train(tmp_path / "split", 3, [*lora, "--resume"])))
+    adapters = lambda run: {f.parent.name: load_file(str(f)) for f in  # noqa: E731
+                            (run / "checkpoints" / "step_0000003" / "model" / "adapters").rglob("adapter_model.safetensors")}
+    straight, split = adapters(tmp_path / "straight"), adapters(tmp_path / "split")
+    assert straight.keys() == split.keys() and len(straight) == 3  # aggregator, worker_1, worker_2
+    for pid in straight:
+        for k in straight[pid]:
+            assert torch.equal(straight[pid][k], split[pid][k]), (pid, k)
+
+
 def srpo_train(run, steps, extra=()):
     return ["-m", "srpo.cli", "train", "--config", str(ROOT / "configs/math/parallel_aggregate/srpo.yaml"),
             *[x for o in resume_overrides(str(run), steps) for x in ("--set", o)], *extra]

@@ -88,9 +88,10 @@ class SingleProcess:
     def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """Every parameter's ``.grad`` becomes the sum over ranks."""
 
-    def idle_pass(self, policies, policy_ids, *, grad: bool) -> torch.Tensor | None:
-        """A zero-valued pass through ``policy_ids`` for a rank with nothing to forward (its
-        gradient is 0); None where no other rank could be waiting."""
+    def idle_pass(self, policies, policy_ids, *, grad: bool, reference: bool = False) -> torch.Tensor | None:
+        """A zero-valued pass through ``policy_ids`` (``reference``: through their KL references)
+        for a rank with nothing to forward (its gradient is 0); None where no other rank could be
+        waiting."""
         return None
 
     # -- checkpoints ------------------------------------------------------------------------------

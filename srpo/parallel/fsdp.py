@@ -15,11 +15,23 @@ full logits), and FSDP hands a unit its full parameters only inside that unit's 
 - Checkpoints: the sharded model and optimizer state go through ``torch.distributed.checkpoint``
   (DCP), which reshards on load, so a checkpoint written by N processes resumes on M; the full
   weights are also gathered to rank 0 and written in HF format for evaluation and inference.
+- **LoRA** (``model.layout: lora``): the one PEFT model — frozen base, one adapter per policy — is
+  sharded once; every policy's log-prob pass runs through the same root with its adapter active
+  (:class:`AdapterPass`), so each pass's backward reduce-scatters that adapter's gradients only
+  (FSDP2 reduces the parameters that received a gradient; every rank runs the policies in one
+  order, with idle passes, so each reduce-scatter carries the same parameters on every rank).
+  Only the adapters are trainable, so only they and their optimizer state are sharded state in
+  a checkpoint (``ignore_frozen_params``); the frozen base comes from ``model.name`` again.
+- **KL reference** (``method.kl_coef`` > 0): the frozen reference of a full-model layout is
+  sharded like the policy (its own roots: one shard of the weights per rank, gathered layer by
+  layer in its forward); a LoRA policy's reference is the same root with the adapters switched
+  off.  Its forwards are collectives too, so ranks run them alike (idle passes included).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from pathlib import Path
 
@@ -125,11 +137,13 @@ def gathered(roots: list[nn.Module]):
             u.set_reshard_after_forward(True)
 
 
-def full_state_dict(root: LogProbModule) -> dict[str, torch.Tensor]:
-    """The wrapped model's full state dict on rank 0 (CPU), ``{}`` elsewhere; a collective."""
+def full_state_dict(root: LogProbModule, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """The wrapped model's full state dict on rank 0 (CPU), ``{}`` elsewhere; a collective.
+    ``trainable_only``: the parameters that train (a LoRA model's adapters), the frozen ones left out."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    sd = get_model_state_dict(root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    sd = get_model_state_dict(root, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                             ignore_frozen_params=trainable_only))
     return {k.removeprefix("model."): v for k, v in sd.items()}
 
 
@@ -139,6 +153,32 @@ def set_full_state_dict(root: LogProbModule, state: dict[str, torch.Tensor]) -> 
 
     set_model_state_dict(root, {f"model.{k}": v for k, v in state.items()},
                          options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+class AdapterPass:
+    """The log-prob pass of one LoRA policy: its adapter made active, then the shared root's forward."""
+
+    def __init__(self, root: LogProbModule, policies, policy_id: str):
+        self.root, self.policies, self.policy_id = root, policies, policy_id
+
+    def __call__(self, *args, **kwargs):
+        self.policies.model_for(self.policy_id)  # set_adapter: this policy's LoRA weights take part
+        return self.root(*args, **kwargs)
+
+
+class AdaptersOffPass:
+    """A LoRA policy's reference pass: the shared root's forward with every adapter switched off
+    (the frozen base)."""
+
+    def __init__(self, root: LogProbModule, policies):
+        self.root, self.policies = root, policies
+
+    def __call__(self, *args, **kwargs):
+        try:
+            with self.policies.model.disable_adapter():
+                return self.root(*args, **kwargs)
+        finally:  # PEFT re-enables only the active adapter's gradients; every adapter trains
+            self.policies.enable_adapter_grads()
 
 
 class FullyShardedDataParallel(DataParallel):
@@ -152,24 +192,36 @@ class FullyShardedDataParallel(DataParallel):
         ensure_process_group(run_device)  # one process without torchrun still shards (over one rank)
         super().__init__()
         self.run_device, self.bf16_compute = run_device, bf16_compute
-        self.roots: dict[str, LogProbModule] = {}
+        self.roots: dict[str, LogProbModule] = {}  # the sharded roots: a policy's each, or one for lora
+        self.passes: dict = {}  # policy id → its log-prob pass (a root, or an AdapterPass)
+        self.reference_passes: dict = {}  # policy id → its KL reference's pass (method.kl_coef > 0)
+        self.reference_roots: dict[str, LogProbModule] = {}
         self._gathered_depth = 0
 
     def wrap(self, policies) -> None:
-        """Shard every policy's model (before the optimizers: they hold the sharded parameters)
-        and route its log-prob passes through the root unit."""
-        if policies.layout not in ("shared", "separate"):
-            raise ValueError(f"FSDP shards full models (layouts shared, separate), not the {policies.layout} layout")
-        self.roots = {pid: shard(policies.model_for(pid), self.run_device, self.bf16_compute)
-                      for pid in policies.policy_ids}
-        # A KL reference (method.kl_coef > 0) stays unsharded on every rank: its no-grad forward is
-        # then no collective, so ranks need not run it alike (memory: one more copy of the model per
-        # rank; accelerate's cpu_offload was tried: the update then differed from one process's by up to 0.017 in the weights — not used).
-        policies.logprob_modules = dict(self.roots)
+        """Shard every policy's model — or, for ``lora``, the one PEFT model — and its KL reference
+        when it has one (before the optimizers: they hold the sharded parameters); route the
+        log-prob passes through the roots."""
+        shard_ = functools.partial(shard, run_device=self.run_device, bf16_compute=self.bf16_compute)
+        if policies.layout == "lora":
+            root = shard_(policies.model)
+            self.roots = {"adapters": root}
+            self.passes = {pid: AdapterPass(root, policies, pid) for pid in policies.policy_ids}
+            self.reference_passes = {pid: AdaptersOffPass(root, policies) for pid in policies.policy_ids}
+        else:
+            self.roots = {pid: shard_(policies.model_for(pid)) for pid in policies.policy_ids}
+            self.passes = dict(self.roots)
+            if policies.has_reference():  # method.kl_coef > 0: sharded like the policy, never trained
+                self.reference_roots = {pid: shard_(policies.reference_model(pid)) for pid in policies.policy_ids}
+                self.reference_passes = dict(self.reference_roots)
+        policies.logprob_modules = dict(self.passes)
+        policies.reference_modules = dict(self.reference_passes)
         policies.sampling_check = self._require_gathered
         with torch.no_grad():  # FSDP sets itself up on the root's first forward, which must come first
             for pid in policies.policy_ids:
                 self._idle_forward(policies, pid)
+            for pid in self.reference_roots:
+                self._idle_forward(policies, pid, reference=True)
 
     def _require_gathered(self) -> None:
         if not self._gathered_depth:
@@ -193,33 +245,47 @@ class FullyShardedDataParallel(DataParallel):
     def reduce_gradients(self, params) -> None:
         """Nothing: FSDP's backward already reduce-scattered (summed) every gradient."""
 
-    def _idle_forward(self, policies, policy_id: str) -> torch.Tensor:
+    def _idle_forward(self, policies, policy_id: str, reference: bool = False) -> torch.Tensor:
         """A one-token pass through ``policy_id``'s root unit: 0 with a graph through every unit.
 
         The one completion token is *selected* (action mask 1): with nothing selected the head is
         never used and the result is a constant, so the backward would skip the model — no
         reduce-scatter on this rank while the others issue theirs, pairing one policy's gradients
         with another's (seen as wrong weights with the ``separate`` layout on gloo)."""
-        root = self.roots[policy_id]
-        device = next(iter(root.parameters())).device
+        run = (self.reference_passes if reference else self.passes)[policy_id]
+        device = next(iter(next(iter(self.roots.values())).parameters())).device
         ids = torch.full((1, 2), int(policies.tokenizer.pad_token_id or 0), dtype=torch.long, device=device)
-        out = root(ids, torch.ones_like(ids), 1, action_mask=torch.ones(1, 1, device=device))
+        out = run(ids, torch.ones_like(ids), 1, action_mask=torch.ones(1, 1, device=device))
         return out.sum() * 0.0
 
-    def idle_pass(self, policies, policy_ids, *, grad: bool) -> torch.Tensor:
+    def idle_pass(self, policies, policy_ids, *, grad: bool, reference: bool = False) -> torch.Tensor:
         """FSDP's all-gathers and reduce-scatters are collectives every rank must join: a rank with
-        nothing of its own to forward runs each of ``policy_ids``' roots on one token (in the same
-        order as every other rank) and adds the zero to its loss."""
-        with torch.set_grad_enabled(grad):
-            return sum(self._idle_forward(policies, pid) for pid in policy_ids)
+        nothing of its own to forward runs each of ``policy_ids``' passes (``reference``: their KL
+        references') on one token, in the same order as every other rank, and adds the zero to its loss."""
+        with torch.set_grad_enabled(grad and not reference):
+            return sum(self._idle_forward(policies, pid, reference) for pid in policy_ids)
 
     def full_state_dicts(self, policies) -> dict[str, dict[str, torch.Tensor]]:
-        """Every policy's full weights on rank 0 (``{}`` elsewhere); a collective."""
+        """Every policy's full weights on rank 0 (``{}`` elsewhere) — for ``lora`` its adapter's
+        tensors only (the base is frozen); a collective."""
+        if policies.layout == "lora":
+            policies.enable_adapter_grads()  # "trainable" below is read from requires_grad
+            adapters = full_state_dict(self.roots["adapters"], trainable_only=True)
+            return {pid: {n: t for n, t in adapters.items() if policies.is_adapter_tensor(n, pid)}
+                    for pid in policies.policy_ids}
         return {pid: full_state_dict(root) for pid, root in self.roots.items()}
 
     def _dcp_state(self, optimizers) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        """What DCP writes: per root its (sharded) model state and its optimizers' state — for
+        ``lora`` the adapters and every policy's optimizer, the frozen base left out."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+        if "adapters" in self.roots:
+            model, optim = get_state_dict(self.roots["adapters"], [optimizers[pid] for pid in sorted(optimizers)],
+                                          options=StateDictOptions(ignore_frozen_params=True))
+            # ignore_frozen_params keeps a tied head's second name (lm_head.weight: the frozen
+            # embedding, which named_parameters lists once): adapters only, by name.
+            return {"adapters": {"model": {k: v for k, v in model.items() if ".lora_" in k}, "optim": optim}}
         return {pid: dict(zip(("model", "optim"), get_state_dict(root, optimizers[pid])))
                 for pid, root in self.roots.items()}
 
@@ -232,10 +298,15 @@ class FullyShardedDataParallel(DataParallel):
     def load_sharded(self, folder: Path, policies, optimizers) -> None:
         """Model and optimizer shards from ``folder/dcp``, resharded to this run's number of ranks."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         state = self._dcp_state(optimizers)
         dcp.load(state, checkpoint_id=str(Path(folder) / "dcp"))
+        if "adapters" in self.roots:
+            set_state_dict(self.roots["adapters"], [optimizers[pid] for pid in sorted(optimizers)],
+                           model_state_dict=state["adapters"]["model"], optim_state_dict=state["adapters"]["optim"],
+                           options=StateDictOptions(ignore_frozen_params=True, strict=False))
+            return
         for pid, root in self.roots.items():
             set_state_dict(root, optimizers[pid], model_state_dict=state[pid]["model"],
                            optim_state_dict=state[pid]["optim"])

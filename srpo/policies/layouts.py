@@ -62,6 +62,8 @@ class PolicySet:
         #: set by a parallel backend (FSDP's root unit, through which its collectives run); empty:
         #: the models are called directly.
         self.logprob_modules: dict[str, torch.nn.Module] = {}
+        #: The same for the KL reference's passes (FSDP: the sharded reference's roots).
+        self.reference_modules: dict = {}
         #: Called before every sampling call, when set (FSDP: sampling only on gathered weights).
         self.sampling_check = None
 
@@ -147,6 +149,10 @@ class PolicySet:
                            temperature=1.0, chunk_tokens: int = 1024) -> torch.Tensor:
         """(m, T) log-probs under the frozen reference (the initial weights), no gradient."""
         with torch.no_grad():
+            if self.reference_modules:  # through the backend's wrapper (FSDP gathers the reference's shards)
+                return self.reference_modules[policy_id](input_ids, attention_mask, prompt_length,
+                                                         action_mask=action_mask, temperature=temperature,
+                                                         chunk_tokens=chunk_tokens)
             return completion_logprobs(
                 self.reference_model(policy_id), input_ids, attention_mask, prompt_length,
                 action_mask=action_mask, temperature=temperature, chunk_tokens=chunk_tokens,
@@ -160,6 +166,10 @@ class PolicySet:
             for p in ref.parameters():
                 p.requires_grad_(False)
             self._reference[pid] = ref
+
+    def has_reference(self) -> bool:
+        """Whether :meth:`freeze_reference` made a separate reference model."""
+        return hasattr(self, "_reference")
 
     def reference_model(self, policy_id: str):
         if not hasattr(self, "_reference"):
@@ -259,27 +269,24 @@ class LoraPolicies(PolicySet):
         for pid in rest:
             self.model.add_adapter(pid, config)
         self.model.eval()
-        self._params = {
-            pid: [p for n, p in self.model.named_parameters() if f".lora_A.{pid}." in n or f".lora_B.{pid}." in n]
-            for pid in self.policy_ids
-        }
         for p in self.model.parameters():
             p.requires_grad_(False)
-        self._enable_adapter_grads()
+        self.enable_adapter_grads()
 
-    def _enable_adapter_grads(self):
+    def enable_adapter_grads(self):
         # PEFT's set_adapter freezes the inactive adapters; every policy keeps its own optimizer,
         # so all adapters stay trainable and only the active one takes part in a forward.
-        for params in self._params.values():
-            for p in params:
+        for name, p in self.model.named_parameters():
+            if ".lora_A." in name or ".lora_B." in name:
                 p.requires_grad_(True)
 
     def parameters(self, policy_id):
-        return self._params[policy_id]
+        # Looked up each time, not kept: FSDP replaces the module's parameters by sharded ones.
+        return [p for n, p in self.model.named_parameters() if self.is_adapter_tensor(n, policy_id)]
 
     def model_for(self, policy_id):
         self.model.set_adapter(policy_id)
-        self._enable_adapter_grads()
+        self.enable_adapter_grads()
         return self.model
 
     def modules(self):
@@ -291,8 +298,31 @@ class LoraPolicies(PolicySet):
         return _sample_grouped(self.model, self.tokenizer, requests, generator, adapter_of=self.policy_of)
 
     def save_pretrained(self, folder, state_dicts=None):
-        self.model.save_pretrained(Path(folder) / "adapters")  # one sub-folder per adapter
+        """One sub-folder per adapter under ``folder/adapters``; ``state_dicts`` (policy id → its
+        adapter's full tensors, gathered by a sharded backend) replaces the model's own."""
+        merged = {n: t for sd in state_dicts.values() for n, t in sd.items()} if state_dicts is not None else None
+        self.model.save_pretrained(Path(folder) / "adapters", **({"state_dict": merged} if merged is not None else {}))
         self.tokenizer.save_pretrained(Path(folder) / "adapters")
+
+    @staticmethod
+    def is_adapter_tensor(name: str, policy_id: str) -> bool:
+        """Whether the PEFT state-dict entry ``name`` belongs to ``policy_id``'s adapter."""
+        return f".lora_A.{policy_id}." in name or f".lora_B.{policy_id}." in name
+
+    def adapter_state(self, policy_id: str) -> dict[str, torch.Tensor]:
+        """``policy_id``'s adapter tensors, full, on CPU, by PEFT state-dict name.  Under FSDP each
+        is gathered from the shards (``full_tensor()``, a collective every rank runs alike)."""
+        out = {}
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if self.is_adapter_tensor(name, policy_id):
+                    full = p.full_tensor() if hasattr(p, "full_tensor") else p
+                    out[name] = full.detach().to("cpu").clone()
+        return out
+
+    def save_adapter(self, policy_id: str, folder) -> None:
+        """``policy_id``'s adapter alone in ``folder`` (PEFT's format; every rank calls it under FSDP)."""
+        self.model.save_pretrained(folder, selected_adapters=[policy_id], state_dict=self.adapter_state(policy_id))
 
     def load_pretrained_weights(self, folder):
         from peft import set_peft_model_state_dict
@@ -306,14 +336,21 @@ class LoraPolicies(PolicySet):
             result = set_peft_model_state_dict(self.model, load_file(str(file)), adapter_name=pid)
             if getattr(result, "unexpected_keys", None):
                 raise ValueError(f"adapter {pid}: unexpected keys in {file}: {result.unexpected_keys[:3]}")
-        self._enable_adapter_grads()
+        self.enable_adapter_grads()
 
     def reference_logprobs(self, policy_id, input_ids, attention_mask, prompt_length, *, action_mask=None,
                            temperature=1.0, chunk_tokens=1024):
         """The reference of a LoRA policy is the frozen base: the same model with adapters off."""
-        with torch.no_grad(), self.model.disable_adapter():
-            return completion_logprobs(self.model, input_ids, attention_mask, prompt_length,
-                                       action_mask=action_mask, temperature=temperature, chunk_tokens=chunk_tokens)
+        if self.reference_modules:  # FSDP: through the shared root, adapters off
+            return super().reference_logprobs(policy_id, input_ids, attention_mask, prompt_length,
+                                              action_mask=action_mask, temperature=temperature,
+                                              chunk_tokens=chunk_tokens)
+        try:
+            with torch.no_grad(), self.model.disable_adapter():
+                return completion_logprobs(self.model, input_ids, attention_mask, prompt_length,
+                                           action_mask=action_mask, temperature=temperature, chunk_tokens=chunk_tokens)
+        finally:  # PEFT re-enables only the active adapter's gradients; every adapter trains
+            self.enable_adapter_grads()
 
     def freeze_reference(self):
         pass  # the base model is frozen already

@@ -18,10 +18,14 @@ pushed into the engine (:meth:`VLLMEngine.sync`).
 - **Prefix caching** is on: the members of a team event share their prompt's prefix.  After every
   weight sync the prefix cache is reset — cached prompt blocks hold keys and values computed with
   the old weights (TRL resets it the same way).
-- **Weight sync, streamed in buckets**: the state dict is walked tensor by tensor and written in
-  safetensors buckets of at most :data:`SYNC_BUCKET_BYTES` (tensors passed as ``collective_rpc``
-  arguments arrive as lists), each loaded by :class:`WeightSync` — a vLLM worker extension — and
-  deleted before the next is written: the extra memory of a sync is one bucket, not one model.
+- **Weight sync, streamed in buckets**: the state dict is walked tensor by tensor
+  (:func:`engine_weights`; under FSDP each parameter is gathered from the shards with
+  ``full_tensor()`` only when reached) and written in safetensors buckets of at most
+  :data:`SYNC_BUCKET_BYTES` (tensors passed as ``collective_rpc`` arguments arrive as lists), each
+  loaded by :class:`WeightSync` — a vLLM worker extension — and deleted before the next is
+  written: the extra memory of a sync is one bucket, not one model.  A full-model engine starts
+  on dummy weights (its folder holds the config and tokenizer) and takes the real ones by the
+  same sync, so no rank ever writes or holds the whole model for it.
   The buckets go to ``/dev/shm`` when it has room for two, else to a temporary folder on disk (a
   container's default 64 MB ``/dev/shm`` cannot hold even the 135M model in float32).  On GPUs the
   extension calls ``model.load_weights`` per bucket, as TRL's colocate mode and verl do.  vLLM's
@@ -33,9 +37,11 @@ pushed into the engine (:meth:`VLLMEngine.sync`).
 - **Placement**: under ``torchrun`` on GPUs each rank's engine is started with only that rank's
   GPU visible (vLLM's single-process executor otherwise takes ``cuda:0`` on every rank); engines
   of several policies on one GPU (``separate``) share ``rollout.gpu_memory_utilization``.
-  Tensor parallelism (TP > 1) per engine is not supported: it would need vLLM's
-  ``external_launcher`` executor with TP groups carved from the torchrun world and the weights
-  synced shard by shard.
+  On CPU each rank's engine is bound to its own share of the cores (``VLLM_CPU_OMP_THREADS_BIND``).
+  Under ``train.parallel: fsdp`` every rank has its engine (TP 1) and all ranks gather each
+  parameter together for their engines' syncs.  Tensor parallelism (TP > 1) per engine is not
+  supported: it would need vLLM's ``external_launcher`` executor with TP groups carved from the
+  torchrun world, and each engine rank loading only its slice of every gathered tensor.
 
 vLLM runs its engine core in a spawned process: a script that starts a run with this engine
 needs the ``if __name__ == "__main__":`` guard.  On CPU, ``gpu_memory_utilization`` is the
@@ -72,11 +78,13 @@ def staging_root(bucket_bytes: int = SYNC_BUCKET_BYTES, shm: str = "/dev/shm") -
     return Path(tempfile.gettempdir())
 
 
-def buckets(state: "dict[str, torch.Tensor]", limit: int = SYNC_BUCKET_BYTES):
-    """``state``'s tensors in consecutive groups of at most ``limit`` bytes (a larger tensor alone)."""
+def buckets(items, limit: int = SYNC_BUCKET_BYTES):
+    """``items``' ``(name, tensor)`` pairs in consecutive groups of at most ``limit`` bytes (a larger
+    tensor alone).  ``items`` may be a generator — :func:`engine_weights` gathers each tensor only
+    when it is reached, so a group is all that is held at once."""
     group: dict[str, torch.Tensor] = {}
     size = 0
-    for name, tensor in state.items():
+    for name, tensor in (items.items() if isinstance(items, dict) else items):
         nbytes = tensor.numel() * tensor.element_size()
         if group and size + nbytes > limit:
             yield group
@@ -85,6 +93,31 @@ def buckets(state: "dict[str, torch.Tensor]", limit: int = SYNC_BUCKET_BYTES):
         size += nbytes
     if group:
         yield group
+
+
+def engine_weights(model: torch.nn.Module, dtype: torch.dtype | None = None):
+    """``model``'s weights as ``(HF name, full CPU tensor)`` pairs, one at a time.
+
+    A tensor held under two names (tied embeddings) is given once: safetensors refuses shared
+    storage, and the engine ties them itself.  FSDP-sharded parameters (DTensors) are gathered
+    here with ``full_tensor()``, a collective: every rank walks the same state dict in the same
+    order, and only the tensor being yielded is whole — the extra memory of a sync stays one
+    bucket plus one tensor, not one model.  ``dtype``: the engine's, so that a bucket carries
+    no more bytes than the engine keeps."""
+    seen = set()
+    # keep_vars: the parameter objects themselves — tied names give one object (on every rank
+    # alike; storage pointers would not do: an empty shard's pointer is 0 for many tensors).
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        with torch.no_grad():
+            if hasattr(tensor, "full_tensor"):  # a DTensor: gathered from every rank's shard
+                tensor = tensor.full_tensor()
+            tensor = tensor.detach().to("cpu")
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        yield name, tensor.contiguous()
 
 
 def engine_visible_devices(env=None) -> str | None:
@@ -145,6 +178,19 @@ class WeightSync:
         return restored
 
 
+def cpu_cores_of_rank(env=None, cores: int | None = None) -> str:
+    """The cores (``"first-last"``) a CPU engine binds to: all of them in one process; under
+    ``torchrun`` this local rank's contiguous share (engines of two ranks binding the same cores
+    would halve each other's speed)."""
+    env = os.environ if env is None else env
+    cores = max(cores or os.cpu_count() or 1, 1)
+    ranks = max(int(env.get("LOCAL_WORLD_SIZE", "1")), 1) if int(env.get("WORLD_SIZE", "1")) > 1 else 1
+    per = max(cores // ranks, 1)
+    first = min(int(env.get("LOCAL_RANK", "0")) * per, cores - 1)
+    last = min(first + per, cores) - 1
+    return f"{first}-{last}"
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     gpu_memory_utilization: float = 0.3
@@ -167,9 +213,12 @@ class VLLMEngine:
     _lora_ids = itertools.count(1)
 
     def __init__(self, model_path: str | Path, *, dtype: str = "float32", seed: int = 0,
-                 settings: EngineSettings = EngineSettings(), enable_lora: bool = False):
-        if not torch.cuda.is_available():  # vLLM's CPU backend: use both cores, keep none back
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(os.cpu_count() or 1, 1) - 1}")
+                 settings: EngineSettings = EngineSettings(), enable_lora: bool = False, dummy_weights: bool = False):
+        """``dummy_weights``: ``model_path`` holds only the config and tokenizer; the engine starts on
+        random weights (vLLM's ``load_format="dummy"``, as verl starts its rollout engines) and the
+        first :meth:`sync` gives it the real ones — no copy of the model is written to disk."""
+        if not torch.cuda.is_available():  # vLLM's CPU backend: use this rank's cores, keep none back
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_cores_of_rank())
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
             if settings.cpu_kv_cache_gib:  # the fraction of system memory is fragile on a shared machine
                 os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(max(1, settings.cpu_kv_cache_gib)))
@@ -188,13 +237,15 @@ class VLLMEngine:
                            gpu_memory_utilization=settings.gpu_memory_utilization,
                            max_model_len=settings.max_model_len, enable_prefix_caching=True,
                            logprobs_mode="processed_logprobs", worker_extension_cls="srpo.rollout.vllm.WeightSync",
-                           **({"enable_sleep_mode": True} if settings.sleep_mode else {}), **lora)
+                           **({"enable_sleep_mode": True} if settings.sleep_mode else {}),
+                           **({"load_format": "dummy"} if dummy_weights else {}), **lora)
         finally:
             if visible is not None:
                 if saved is None:
                     os.environ.pop("CUDA_VISIBLE_DEVICES", None)
                 else:
                     os.environ["CUDA_VISIBLE_DEVICES"] = saved
+        self.dtype = getattr(torch, dtype)
         self.shm = Path(tempfile.mkdtemp(prefix=f"srpo-vllm-{os.getpid()}-", dir=staging_root(settings.bucket_bytes)))
         self.loras: dict[str, object] = {}  # policy id → its current LoRARequest
         self.asleep = 0  # the sleep level the engine is in (0: awake)
@@ -230,14 +281,18 @@ class VLLMEngine:
         return samples
 
     # ------------------------------------------------------------------------------ weight sync
-    def sync(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Push full weights (HF names) into the engine, one bucket of at most ``bucket_bytes`` at a
-        time (the only copy held besides the model: one bucket), then drop the prefix cache."""
+    def sync(self, weights) -> None:
+        """Push full weights into the engine, one bucket of at most ``bucket_bytes`` at a time, then
+        drop the prefix cache.  ``weights``: a model (walked by :func:`engine_weights`: gathered
+        tensor by tensor under FSDP, in the engine's dtype), or ``(HF name, tensor)`` pairs / a
+        dict.  Besides the model, what a sync holds is one bucket (and the tensor being added)."""
         from safetensors.torch import save_file
 
+        if isinstance(weights, torch.nn.Module):
+            weights = engine_weights(weights, self.dtype)
         self.llm.collective_rpc("srpo_begin_sync")
         path = self.shm / "bucket.safetensors"
-        for group in buckets(state_dict, self.settings.bucket_bytes):
+        for group in buckets(weights, self.settings.bucket_bytes):
             save_file({k: v.detach().to("cpu").contiguous() for k, v in group.items()}, str(path))
             self.sync_stats["max_bucket_bytes"] = max(self.sync_stats["max_bucket_bytes"], path.stat().st_size)
             self.sync_stats["buckets"] += 1
@@ -314,9 +369,12 @@ class VLLMRollout:
                                 / len(policies.policy_ids))
                 self.engines = {}
                 for pid in policies.policy_ids:
+                    # The config and tokenizer only: the engine starts on dummy weights and the
+                    # sync below streams the real ones — also from FSDP shards, which no rank
+                    # holds whole.
                     folder = staging / pid
-                    _save_for_engine(policies.model_for(pid), policies.tokenizer, folder)
-                    self.engines[pid] = VLLMEngine(folder, dtype=dtype, seed=seed, settings=share)
+                    _save_config_for_engine(policies.model_for(pid), policies.tokenizer, folder)
+                    self.engines[pid] = VLLMEngine(folder, dtype=dtype, seed=seed, settings=share, dummy_weights=True)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         self.update_weights()
@@ -343,11 +401,12 @@ class VLLMRollout:
                 engine.sync_adapter(pid, lambda folder, pid=pid: self._save_adapter(pid, folder))
         else:
             for pid, engine in self.engines.items():
-                engine.sync(_unique_tensors(policies.model_for(pid).state_dict()))
+                engine.sync(policies.model_for(pid))
 
     def _save_adapter(self, policy_id: str, folder: Path) -> None:
-        """One policy's LoRA adapter alone in ``folder`` (PEFT puts a non-default one in a sub-folder)."""
-        self.policies.model.save_pretrained(folder, selected_adapters=[policy_id])
+        """One policy's LoRA adapter alone in ``folder`` (PEFT puts a non-default one in a sub-folder;
+        under FSDP gathered from the shards)."""
+        self.policies.save_adapter(policy_id, folder)
         _flatten_adapter_folder(folder, policy_id)
 
     def generate(self, requests, generator=None) -> list[Sample]:
@@ -364,20 +423,17 @@ class VLLMRollout:
         self.engines = {}
 
 
-def _unique_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop second names of one tensor (tied embeddings): safetensors refuses shared storage, and
-    the engine ties them itself."""
-    seen, out = set(), {}
-    for name, tensor in state.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-        if key not in seen:
-            seen.add(key)
-            out[name] = tensor
-    return out
-
-
 def _save_for_engine(model, tokenizer, folder: Path) -> None:
     model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def _save_config_for_engine(model, tokenizer, folder: Path) -> None:
+    """What an engine started on dummy weights reads: the model's config (its architecture, with
+    ``torch_dtype`` as trained) and the tokenizer."""
+    model.config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
 

@@ -25,6 +25,7 @@ whole batch.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import random
@@ -166,8 +167,16 @@ class Trainer:
         jobs = self.jobs(tasks, self.step)
         # Full parameters for the whole rollout, gathered once (FSDP) — every rank rolls out once
         # a step, while the number of generation calls differs from rank to rank.
-        with torch.no_grad(), self.autocast(), self.backend.gathered(self.policies):
+        with torch.no_grad(), self.autocast(), self.sampling_weights():
             return self.runtime.run(self.workflow, jobs)
+
+    def sampling_weights(self):
+        """What sampling needs of the trainer's weights: the full parameters (FSDP gathers them —
+        a collective every rank enters once) when the built-in sampler reads them; nothing when an
+        engine (vLLM) holds its own copy."""
+        if self.engine.name == "builtin":
+            return self.backend.gathered(self.policies)
+        return contextlib.nullcontext()
 
     def overlapped_rollout(self) -> list[EpisodeResult]:
         """This step's batch (sampled during the previous step's update, or now on the first step),
@@ -262,7 +271,7 @@ class Trainer:
         from srpo.evaluation import evaluate
 
         e = self.cfg.eval
-        with torch.no_grad(), self.autocast(), self.backend.gathered(self.policies):
+        with torch.no_grad(), self.autocast(), self.sampling_weights():
             results = evaluate(self.policies, self.workflow, self.role_specs, self.eval_sets, k=e.k,
                                temperature=e.temperature, seed=1000 + self.cfg.run.seed,
                                max_batch=self.cfg.train.rollout_batch, progress=self.progress,

@@ -114,7 +114,11 @@ class PolicyUpdate:
         M, T = batch.action_mask.shape
         ref = torch.zeros(M, T, device=batch.input_ids.device)
         with self.autocast():
-            for pid in sorted(set(batch.policy_ids)):
+            present = set(batch.policy_ids)
+            for pid in self.policies.policy_ids if self.backend.needs_idle_pass else sorted(present):
+                if pid not in present:  # FSDP: another rank may run this policy's reference (a collective)
+                    self.backend.idle_pass(self.policies, [pid], grad=False, reference=True)
+                    continue
                 rows = batch.rows_of_policy(pid).to(ref.device)
                 ref[rows] = self.policies.reference_logprobs(
                     pid, batch.input_ids[rows], batch.attention_mask[rows], batch.prompt_length,
@@ -129,6 +133,8 @@ class PolicyUpdate:
             return
         with self.autocast():
             idle = self.backend.idle_pass(self.policies, self.policies.policy_ids, grad=grad)
+            if grad and self.cfg.method.kl_coef > 0:  # the others also run their KL references
+                self.backend.idle_pass(self.policies, self.policies.policy_ids, grad=False, reference=True)
         if grad:
             idle.backward()
 

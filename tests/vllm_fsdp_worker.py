@@ -1,0 +1,119 @@
+"""Ranks of the FSDP + vLLM test (run by tests/test_vllm.py under torchrun, in .venv-vllm).
+
+    vllm_fsdp_worker.py OUT RUN_DIR [override ...]
+
+Each rank trains a team under ``train.parallel: fsdp`` with its own colocated vLLM engine
+(``rollout.engine: vllm``), whose weights come from the FSDP shards in streamed buckets.  Each
+rank checks that its engine's log-probs of fixed prompts match the trainer's (an FSDP forward,
+which every rank runs alike) after the initial sync, and again after one training step with a
+large learning rate (which moves the log-probs well past the tolerance, so a sync that did not
+happen would show).  Rank 0 writes the figures to OUT as JSON.
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+from srpo.build import load_config
+from srpo.events import Event, Member, collate
+from srpo.policies.layouts import GenerationRequest
+from srpo.policies.sampling import SamplingParams
+from srpo.train import Trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS = ["What is 2 + 3? Answer:", "Name a colour:", "Count to five:", "The capital of France is"]
+
+
+def trainer_logprobs(trainer, requests, samples):
+    """Teacher-forced log-probs of ``samples`` through the FSDP root (a collective: every rank
+    passes the same requests)."""
+    policies = trainer.policies
+    out = []
+    for i, (r, s) in enumerate(zip(requests, samples)):
+        pid = policies.policy_of(r.role)
+        e = Event(event_id=f"e{i}", episode_id="x", task_id="t", prior_state_id="s", event_type="t", turn=0,
+                  expected_size=1)
+        e.members.append(Member(role=r.role, policy_id=pid, policy_version=0, prompt_ids=r.prompt_ids,
+                                completion_ids=s.completion_ids, action_mask=[1] * len(s.completion_ids),
+                                behaviour_logprobs=s.logprobs, member_index=0, text=s.text, truncated=s.truncated,
+                                temperature=r.params.temperature))
+        b = collate([e], policies.tokenizer.pad_token_id)
+        with torch.no_grad():
+            lp = policies.logprobs(pid, b.input_ids, b.attention_mask, b.prompt_length, action_mask=b.action_mask,
+                                   temperature=b.temperatures)
+        out.append(lp[0, :len(s.completion_ids)])
+    return out
+
+
+def gap(engine_lps, trainer_lps) -> float:
+    return max(float((torch.tensor(e) - t).abs().max()) for e, t in zip(engine_lps, trainer_lps) if len(e))
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def sync_memory(trainer) -> tuple[int, int]:
+    """One more weight sync with the process's peak resident memory reset before it: (resident
+    bytes before, how far above that the peak went during the sync).  The bucket files staged in
+    /dev/shm are not resident memory of this process: ``sync_stats['max_bucket_bytes']`` says
+    their size."""
+    import gc
+
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM (Linux ≥ 4.0)
+    before = _status_kb("VmRSS")
+    trainer.engine.update_weights()
+    return before * 1024, max(0, _status_kb("VmHWM") - before) * 1024
+
+
+def main(out_path: str, run_dir: str, *overrides: str) -> None:
+    from accelerate import Accelerator
+
+    Accelerator(cpu=True)  # the gloo process group from torchrun's environment
+    torch.set_num_threads(1)
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    cfg = load_config(os.path.join(ROOT, "configs/math/parallel_aggregate/srpo.yaml"), [
+        f"run.output_dir={run_dir}", "run.steps=1", "model.name=smollm2-135m", "model.autocast_bf16=false",
+        "workflow.options={num_workers: 2}", "workflow.max_new_tokens=16", "train.tasks_per_step=2",
+        "train.group_size=2", "task.train.n=4", "log.tensorboard=false", "rollout.engine=vllm",
+        "rollout.gpu_memory_utilization=0.1", "train.parallel=fsdp", "train.tis_cap=2.0", "train.lr=1e-3",
+        "train.skip_zero_advantage=false", "eval.every=0", "task.eval=[]", *overrides])
+    trainer = Trainer(cfg, progress=False, reward_fn=lambda task, answer: float(len(answer or "") % 3) / 2)
+    rank = trainer.backend.rank
+    try:
+        tok = trainer.policies.tokenizer
+        roles = list(trainer.role_specs)
+        requests = [GenerationRequest(roles[i % len(roles)], tok(p)["input_ids"],
+                                      SamplingParams(temperature=1.0, max_new_tokens=12)) for i, p in enumerate(PROMPTS)]
+        samples = trainer.engine.generate(requests, torch.Generator().manual_seed(0))
+        before = trainer_logprobs(trainer, requests, samples)
+        gap_start = gap([s.logprobs for s in samples], before)
+        (metrics,) = trainer.fit()
+        after_same = trainer_logprobs(trainer, requests, samples)  # the first samples, under the new weights
+        moved = max(float((a - b).abs().max()) for a, b in zip(after_same, before))
+        fresh = trainer.engine.generate(requests, torch.Generator().manual_seed(0))
+        gap_after = gap([s.logprobs for s in fresh], trainer_logprobs(trainer, requests, fresh))
+        rss_before, sync_peak = sync_memory(trainer)
+        stats = {pid: dict(e.sync_stats) for pid, e in trainer.engine.engines.items()}
+        result = {"rank": rank, "world": trainer.backend.world, "gap_start": gap_start, "gap_after": gap_after,
+                  "moved": moved, "episodes": metrics["episodes"], "valid": metrics["events/valid"],
+                  "mismatch": metrics.get("mismatch/mean_abs"), "sync": stats,
+                  "rss_mb": rss_before / 2**20, "sync_rss_peak_extra_mb": sync_peak / 2**20,
+                  "bucket_bytes": next(iter(trainer.engine.engines.values())).settings.bucket_bytes}
+        results = [None] * trainer.backend.world
+        torch.distributed.all_gather_object(results, result)
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(results, f)
+    finally:
+        trainer.close()
+        trainer.backend.close()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
