@@ -11,17 +11,24 @@ against a reference — never on an exit code alone:
   same tokens (``old_vs_behaviour_max_abs`` under a tolerance per precision);
 - ``ddp`` / ``fsdp`` over every visible GPU: one update on a fixed global batch against the same
   update in one plain process (weights must agree; world size 1 when one GPU is visible, said so);
+  ``fsdp · lora`` (per-role adapters on the sharded frozen base) and ``fsdp · kl reference`` (the
+  reference sharded too) the same way;
 - ``vllm · engine``: the engine's log-probs of its own samples against the trainer's, before and
   after an optimizer step and a sync, with prompts longer than a KV block (stale prefix blocks
   would show);
 - ``vllm · team step``: a team step on the engine — mismatch under tolerance, TIS weight near 1;
   ``vllm · sleep during the update``: the same with ``rollout.sleep_during_update`` (the engine's
   memory released while the update runs, woken before the sync);
+- ``vllm · fsdp``: the team step with ``train.parallel: fsdp`` — the engine starts on dummy weights
+  and takes the real ones in buckets gathered from the shards (over the visible GPUs' ranks in
+  ``vllm · fsdp · torchrun``, one engine per rank);
 - ``vllm · torchrun``: one engine per rank on its own GPU (needs ≥ 2 GPUs);
 - ``staleness · <layout>``: ``rollout.max_staleness: 1`` (the next rollout on a copy in a background
   thread while the update runs): staleness logged 0 then 1 on every step, and a run cut before its
   last checkpoint and resumed ends on the straight run's weights (the pending batch is
-  checkpointed); with vLLM or FSDP it is refused at validation (not supported yet), said so.
+  checkpointed); ``vllm · staleness`` and ``vllm · fsdp · staleness``: the engine samples the next
+  batch while the update runs (staleness 0 then 1, mismatch under tolerance); the built-in sampler
+  under FSDP with staleness is refused at validation (it would need a full copy per rank), said so.
 
 Every record names the stage that failed and keeps the whole traceback; peak GPU memory is set
 beside the 16-bytes-per-parameter floor of docs/scaling.md.  One JSON report (``--out``), one
@@ -68,8 +75,8 @@ def weights(trainer) -> dict:
     for pid in trainer.policies.policy_ids:
         if full is not None:
             state = full[pid]
-        elif trainer.policies.layout == "lora":  # the adapters: what the policy trains
-            state = {str(i): p for i, p in enumerate(trainer.policies.parameters(pid))}
+        elif trainer.policies.layout == "lora":  # the adapters: what the policy trains (PEFT names, as FSDP's)
+            state = trainer.policies.adapter_state(pid)
         else:
             state = trainer.policies.model_for(pid).state_dict()  # HF names, as a sharded backend's
         out[pid] = {k: v.detach().float().cpu().clone() for k, v in state.items()}
@@ -187,24 +194,26 @@ def staleness_check(args, tmp: Path, layout: str) -> dict:
         raise
 
 
-def parallel_check(args, tmp: Path, parallel: str) -> dict:
+def parallel_check(args, tmp: Path, parallel: str, extra: tuple[str, ...] = (), tag: str = "") -> dict:
     """One update on a fixed global batch under ``parallel`` over every visible GPU (or 2 CPU ranks)
-    against one plain process."""
+    against one plain process; ``extra``: overrides of both (e.g. the lora layout)."""
     import torch
 
     n = torch.cuda.device_count() if args.device != "cpu" else args.cpu_ranks
-    plain, multi = tmp / f"{parallel}-plain.pt", tmp / f"{parallel}-{n}.pt"
+    parallel_tag = f"{parallel}{tag}"
+    plain, multi = tmp / f"{parallel_tag}-plain.pt", tmp / f"{parallel_tag}-{n}.pt"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    worker = [str(Path(__file__).resolve()), "--worker", "--device", args.device, "--model", args.model]
+    worker = [str(Path(__file__).resolve()), "--worker", "--device", args.device, "--model", args.model,
+              *[x for o in extra for x in ("--worker-set", o)]]
     done = subprocess.run([sys.executable, *worker, "--worker-out", str(plain), "--worker-parallel", "ddp",
-                           "--worker-run", str(tmp / f"{parallel}-r0")], env=env, capture_output=True, text=True,
+                           "--worker-run", str(tmp / f"{parallel_tag}-r0")], env=env, capture_output=True, text=True,
                           timeout=600)
     if done.returncode:
         raise CheckFailed(f"plain reference failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
     launch = [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node", str(max(n, 1))] if n > 1 else \
         [sys.executable]
     done = subprocess.run([*launch, *worker, "--worker-out", str(multi), "--worker-parallel", parallel,
-                           "--worker-run", str(tmp / f"{parallel}-r{n}")], env=env, capture_output=True, text=True,
+                           "--worker-run", str(tmp / f"{parallel_tag}-r{n}")], env=env, capture_output=True, text=True,
                           timeout=600)
     if done.returncode:
         raise CheckFailed(f"{parallel} over {n} rank(s) failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
@@ -226,7 +235,8 @@ def worker(args) -> None:
 
     _maybe_init_distributed(args.device)
     cfg = load_config(CONFIG, overrides(args, Path(args.worker_run), "train.optimizer=sgd", "train.lr=0.5",
-                                        "train.microbatches=2", f"train.parallel={args.worker_parallel}"))
+                                        "train.microbatches=2", f"train.parallel={args.worker_parallel}",
+                                        *args.worker_set))
     trainer = Trainer(cfg, progress=False, reward_fn=lambda task, answer: float(len(answer or "") % 5) / 4)
     trainer.rollout_generator.manual_seed(1234)  # the same global batch on every rank
     episodes = trainer.rollout(trainer.train_tasks[:2])
@@ -284,13 +294,20 @@ def vllm_engine_check(args, tmp: Path) -> dict:
         engine.close()
 
 
-def vllm_team_check(args, tmp: Path, sleep: bool = False) -> dict:
+def vllm_team_check(args, tmp: Path, sleep: bool = False, fsdp: bool = False, staleness: int = 0) -> dict:
+    """Team steps on the vLLM engine: the sampler gap under tolerance and TIS weights near 1 —
+    with ``fsdp`` the engine is synced from the shards (one rank per process here), with
+    ``staleness`` 1 the next batch is sampled while the update runs (staleness 0 then 1)."""
     from srpo.build import load_config
     from srpo.train import Trainer
 
-    cfg = load_config(CONFIG, overrides(args, tmp / f"vllm-team{'-sleep' if sleep else ''}", "run.steps=2",
+    steps = 3 if staleness else 2
+    tag = f"{'-sleep' if sleep else ''}{'-fsdp' if fsdp else ''}{'-stale' if staleness else ''}"
+    cfg = load_config(CONFIG, overrides(args, tmp / f"vllm-team{tag}", f"run.steps={steps}",
                                         "rollout.engine=vllm", "rollout.gpu_memory_utilization=0.3", "train.tis_cap=2",
-                                        f"rollout.sleep_during_update={'true' if sleep else 'false'}"))
+                                        f"rollout.sleep_during_update={'true' if sleep else 'false'}",
+                                        f"rollout.max_staleness={staleness}",
+                                        f"train.parallel={'fsdp' if fsdp else 'ddp'}"))
     trainer = Trainer(cfg, progress=False)
     try:
         rows = trainer.fit()
@@ -298,20 +315,23 @@ def vllm_team_check(args, tmp: Path, sleep: bool = False) -> dict:
         trainer.close()
     mean = max(r.get("mismatch/mean_abs", 0.0) for r in rows)
     tis = [r.get("objective/tis/weight_mean", 1.0) for r in rows]
+    stale = [r["rollout/staleness_max"] for r in rows]
     if not mean <= TOL["fp32"] or not all(abs(w - 1) < 0.05 for w in tis):
         raise CheckFailed(f"team on vLLM: mismatch {mean:.3g} (tol {TOL['fp32']:g}), TIS weights {tis}")
-    return {"details": f"2 steps: mismatch {mean:.2e}, TIS weight {tis}, rollout {rows[-1]['time/rollout_s']:.1f} s",
-            "stage": "compare"}
+    if stale != [0] + [staleness] * (steps - 1):
+        raise CheckFailed(f"rollout/staleness_max per step {stale}, expected 0 then {staleness}")
+    return {"details": f"{steps} steps: mismatch {mean:.2e}, TIS weight {[round(w, 3) for w in tis]}, staleness "
+                       f"{stale}, rollout {rows[-1]['time/rollout_s']:.1f} s", "stage": "compare"}
 
 
-def vllm_torchrun_check(args, tmp: Path, gpus: int) -> dict:
+def vllm_torchrun_check(args, tmp: Path, gpus: int, parallel: str = "ddp") -> dict:
     """``srpo train`` under torchrun on every GPU with the vLLM engine: each rank's engine must sit on
     its own GPU (every GPU holds memory afterwards, not GPU 0 alone) and agree with its trainer."""
-    run = tmp / "vllm-torchrun"
+    run = tmp / f"vllm-torchrun-{parallel}"
     cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node", str(gpus), "-m", "srpo.cli", "train",
            "--config", str(CONFIG), "--set",
            *overrides(args, run, "run.steps=1", "rollout.engine=vllm", "rollout.gpu_memory_utilization=0.2",
-                      "train.tis_cap=2", "run.device=cuda")]
+                      "train.tis_cap=2", "run.device=cuda", f"train.parallel={parallel}")]
     probe = ("import torch,sys; sys.stdout.write(' '.join(str(torch.cuda.mem_get_info(i)[1] - "
              "torch.cuda.mem_get_info(i)[0]) for i in range(torch.cuda.device_count())))")
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
@@ -349,16 +369,26 @@ def combinations(args, tmp: Path):
     yield "sampler · shared · bf16 autocast", lambda: sampler_check(args, tmp, "shared", "bf16")
     for parallel in ("ddp", "fsdp"):
         yield f"{parallel} · all devices", lambda parallel=parallel: parallel_check(args, tmp, parallel)
+    yield "fsdp · lora · all devices", lambda: parallel_check(args, tmp, "fsdp", ("model.layout=lora",), "-lora")
+    yield "fsdp · kl reference · all devices", lambda: parallel_check(args, tmp, "fsdp", ("method.kl_coef=0.5",), "-kl")
     no_vllm = "vllm is not installed (pip install 'srpo[vllm]')"
     yield "vllm · engine", (lambda: vllm_engine_check(args, tmp)) if has_vllm else no_vllm
     yield "vllm · team step", (lambda: vllm_team_check(args, tmp)) if has_vllm else no_vllm
     yield "vllm · sleep during the update", ("vLLM's sleep mode needs CUDA" if args.device == "cpu" else no_vllm
                                              if not has_vllm else (lambda: vllm_team_check(args, tmp, sleep=True)))
-    yield "vllm · torchrun", ("needs 2 or more GPUs (one engine per rank, each on its own GPU)" if gpus < 2 else
-                              no_vllm if not has_vllm else (lambda: vllm_torchrun_check(args, tmp, gpus)))
+    yield "vllm · fsdp", (lambda: vllm_team_check(args, tmp, fsdp=True)) if has_vllm else no_vllm
+    two_gpus = "needs 2 or more GPUs (one engine per rank, each on its own GPU)"
+    yield "vllm · torchrun", (two_gpus if gpus < 2 else no_vllm if not has_vllm else
+                              (lambda: vllm_torchrun_check(args, tmp, gpus)))
+    yield "vllm · fsdp · torchrun", (two_gpus if gpus < 2 else no_vllm if not has_vllm else
+                                     (lambda: vllm_torchrun_check(args, tmp, gpus, "fsdp")))
     for layout in ("shared", "lora"):
         yield f"staleness · {layout}", lambda layout=layout: staleness_check(args, tmp, layout)
-    yield "staleness · vllm / fsdp", "refused at validation: not supported yet (the GPU path as one whole, item 3)"
+    yield "vllm · staleness", (lambda: vllm_team_check(args, tmp, staleness=1)) if has_vllm else no_vllm
+    yield "vllm · fsdp · staleness", (lambda: vllm_team_check(args, tmp, fsdp=True, staleness=1)) if has_vllm \
+        else no_vllm
+    yield "staleness · fsdp · built-in sampler", ("refused at validation: the built-in sampler would need a full "
+                                                   "copy of the weights on every rank; use rollout.engine: vllm")
 
 
 def run_one(name, fn) -> dict:
@@ -402,6 +432,7 @@ def main(argv=None) -> int:
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     p.add_argument("--worker-run", help=argparse.SUPPRESS)
     p.add_argument("--worker-parallel", help=argparse.SUPPRESS)
+    p.add_argument("--worker-set", action="append", default=[], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         worker(args)

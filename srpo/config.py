@@ -450,12 +450,13 @@ class Config(Section):
         if self.rollout.sleep_during_update and (self.rollout.engine != "vllm" or self.run.device == "cpu"):
             raise ValueError("rollout.sleep_during_update: vLLM's sleep mode needs rollout.engine: vllm on a CUDA "
                              "device (run.device: cuda); the CPU build does not offer it")
-        if self.rollout.max_staleness and t.parallel == "fsdp":
-            raise ValueError("rollout.max_staleness: 1 with train.parallel: fsdp is not supported yet: the overlapped "
-                             "rollout samples from a full copy of the weights, which a sharded run does not hold")
-        if self.rollout.max_staleness and self.rollout.engine == "vllm":
-            raise ValueError("rollout.max_staleness: 1 with rollout.engine: vllm is not supported yet (the engine "
-                             "generating while its weights are synced is not verified); use engine hf, or staleness 0")
+        if self.rollout.max_staleness and t.parallel == "fsdp" and r.engine != "vllm":
+            raise ValueError("rollout.max_staleness: 1 with train.parallel: fsdp needs rollout.engine: vllm — the "
+                             "engine holds its own copy of the weights; the built-in sampler would need a full "
+                             "unsharded copy on every rank, which is what sharding avoids")
+        if self.rollout.max_staleness and r.sleep_during_update:
+            raise ValueError("rollout.sleep_during_update with rollout.max_staleness: 1: the engine samples the next "
+                             "batch while the update runs, so it cannot sleep then; choose one")
         if self.task.corpus and self.retriever.url:
             raise ValueError("retriever.url: a run retrieves from a server or from task.corpus, not both; unset one")
         if self.task.train.corpus:

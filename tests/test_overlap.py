@@ -97,10 +97,11 @@ def _samples(run):
 
 
 @pytest.mark.parametrize("extra, match", [
-    ({"train": {"parallel": "fsdp"}}, "max_staleness: 1 with train.parallel: fsdp"),
-    ({"rollout": {"engine": "vllm", "max_staleness": 1}}, "max_staleness: 1 with rollout.engine: vllm"),
+    ({"train": {"parallel": "fsdp"}}, "max_staleness: 1 with train.parallel: fsdp needs rollout.engine: vllm"),
+    ({"rollout": {"engine": "vllm", "max_staleness": 1, "sleep_during_update": True}, "run": {"device": "cuda"}},
+     "sleep_during_update with rollout.max_staleness: 1"),
 ])
-def test_what_the_overlap_does_not_support_yet_is_refused(extra, match):
+def test_what_the_overlap_cannot_combine_with_is_refused(extra, match):
     data = {"model": {"name": "tiny-llama"}, "task": {"kind": "math", "train": {"source": "synthetic_arithmetic"}},
             "rollout": {"max_staleness": 1}}
     for key, value in extra.items():

@@ -152,11 +152,16 @@ def test_sync_streams_buckets_and_forgets_stale_prompt_blocks():
         engine.close()
 
 
-def test_fsdp_ranks_train_a_team_with_their_own_engines_synced_from_the_shards(tmp_path):
+@pytest.mark.parametrize("layout, staleness", [("shared", 0), ("shared", 1), ("lora", 0)])
+def test_fsdp_ranks_train_a_team_with_their_own_engines_synced_from_the_shards(tmp_path, layout, staleness):
     """``train.parallel: fsdp`` + ``rollout.engine: vllm`` under torchrun (2 gloo ranks, each with
     its colocated engine): the engines start on dummy weights and take the real ones in streamed
     buckets gathered from the shards; each rank's engine log-probs match the trainer's after that
-    first sync and again after a training step that moves them by far more than the tolerance."""
+    first sync and again after a training step that moves them by far more than the tolerance.
+    With ``rollout.max_staleness: 1`` (two steps) each rank's engine samples step 2's batch while
+    step 1 updates, and the push from the shards waits for that rollout.  With ``lora`` the engine
+    holds the frozen base and each role's adapter is gathered from the shards and sent as a LoRA
+    request."""
     import json
     import socket
     import subprocess
@@ -171,7 +176,8 @@ def test_fsdp_ranks_train_a_team_with_their_own_engines_synced_from_the_shards(t
     bucket_mb = 32
     done = subprocess.run([str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node", "2", "--master_port",
                            str(port), str(root / "tests" / "vllm_fsdp_worker.py"), str(out), str(tmp_path / "run"),
-                           f"rollout.sync_bucket_mb={bucket_mb}"],
+                           f"rollout.sync_bucket_mb={bucket_mb}", f"model.layout={layout}",
+                           *([f"rollout.max_staleness={staleness}", "run.steps=2"] if staleness else [])],
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)},
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
@@ -181,11 +187,70 @@ def test_fsdp_ranks_train_a_team_with_their_own_engines_synced_from_the_shards(t
     for r in ranks:
         assert r["gap_start"] < TOL and r["gap_after"] < TOL  # the engine holds the trainer's weights after each sync
         assert r["moved"] > 100 * TOL  # ... and the step moved them: a missed sync would show
-        assert r["episodes"] > 0 and r["valid"] > 0 and r["mismatch"] < TOL
+        assert r["episodes"] > 0 and r["valid"] > 0
+        # The last step's sampler gap: with staleness 1 it also holds the first step's update (lr
+        # 1e-3 moved the log-probs by several nats), which TIS corrects; without, the engine's gap alone.
+        assert r["mismatch"] < TOL if not staleness else r["mismatch"] > TOL
+        assert r["staleness_max"] == ([0, 1] if staleness else [0])
+        if staleness:
+            assert r["overlap_s"][0] > 0  # step 2's rollout ran while step 1 updated
+        if layout == "lora":
+            continue  # the base is never synced; the adapters travel as LoRA requests (the gaps above)
         sync = r["sync"]["shared"]
-        assert sync["syncs"] == 3  # the initial one (over dummy weights), the step's, and the measured one
+        assert sync["syncs"] == 2 + r["steps"]  # the initial one (over dummy weights), one a step, the measured one
         assert sync["buckets"] > 2 * 3  # streamed: several buckets per sync
         assert sync["max_bucket_bytes"] <= embedding + (1 << 20)  # one bucket, or one tensor larger than a bucket
-    print(f"FSDP + vLLM, 2 ranks: gap after the step's sync {max(r['gap_after'] for r in ranks):.1e}; "
-          f"{ranks[0]['sync']['shared']['buckets'] // 3} buckets a sync of {bucket_mb} MiB; peak resident memory "
-          f"during a sync {max(r['sync_rss_peak_extra_mb'] for r in ranks):.0f} MiB above the trainer's")
+    print(f"FSDP + vLLM ({layout}, staleness {staleness}), 2 ranks: gap after the step's sync "
+          f"{max(r['gap_after'] for r in ranks):.1e}, the step moved log-probs by {ranks[0]['moved']:.1f}")
+
+
+def test_staleness_one_on_the_engine_trains_and_resumes_with_its_pending_batch(tmp_path):
+    """``rollout.max_staleness: 1`` with the vLLM engine (no weight copy: the engine holds the old
+    version until the trainer pushes the new one after the rollout): step 2's batch is sampled
+    while step 1 updates, staleness is 0 then 1, and a run stopped in step 3 (before its
+    checkpoint) and resumed from the step-2 checkpoint trains step 3 on the batch that checkpoint
+    holds — the episodes in flight at the stop are neither lost nor sampled twice."""
+    import json
+
+    from srpo.checkpoint import STATE_JSON
+
+    def config(steps):
+        return load_config(os.path.join(os.path.dirname(__file__), "..", "configs/math/parallel_aggregate/srpo.yaml"), [
+            f"run.output_dir={tmp_path}", f"run.steps={steps}", "model.name=smollm2-135m", "model.autocast_bf16=false",
+            "workflow.options={num_workers: 2}", "workflow.max_new_tokens=16", "train.tasks_per_step=2",
+            "train.group_size=2", "task.train.n=8", "log.tensorboard=false", "rollout.engine=vllm",
+            "rollout.gpu_memory_utilization=0.1", "train.tis_cap=2.0", "train.skip_zero_advantage=false",
+            "rollout.max_staleness=1", "checkpoint.every=1", "eval.every=0", "task.eval=[]"])
+
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    reward = lambda task, answer: float(len(answer or "") % 3) / 2  # noqa: E731
+    trainer = Trainer(config(3), progress=False, reward_fn=reward)
+    history = []
+
+    def stop_in_step_3(trainer, metrics):
+        history.append(metrics)
+        if trainer.step == 3:
+            raise KeyboardInterrupt  # before step 3's checkpoint: the run is cut with step 3 unsaved
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            trainer.fit(on_step=stop_in_step_3)
+    finally:
+        trainer.close()
+    assert [m["rollout/staleness_max"] for m in history] == [0, 1, 1]
+    assert not (tmp_path / "checkpoints" / "step_0000003").exists()
+    assert history[0]["time/overlap_s"] > 0 and all(m["episodes"] == 4 for m in history)
+    assert history[0]["mismatch/mean_abs"] < TOL  # step 1 sampled on the weights it updates: the engine's gap alone
+    saved = json.loads((tmp_path / "checkpoints" / "step_0000002" / STATE_JSON).read_text())
+    pending = [e["episode_id"] for e in saved["pending_episodes"]]
+    assert len(pending) == 4 and all(i.startswith("s2-") for i in pending)  # step 3's batch, sampled at step 2
+
+    resumed = Trainer(config(3), progress=False, reward_fn=reward)
+    try:
+        assert resumed.resume() and resumed.step == 2
+        assert [e.episode_id for e in resumed.pending_episodes] == pending
+        (last,) = resumed.fit()
+    finally:
+        resumed.close()
+    assert last["rollout/staleness_max"] == 1 and last["episodes"] == 4
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]

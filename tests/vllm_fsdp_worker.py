@@ -7,7 +7,8 @@ Each rank trains a team under ``train.parallel: fsdp`` with its own colocated vL
 rank checks that its engine's log-probs of fixed prompts match the trainer's (an FSDP forward,
 which every rank runs alike) after the initial sync, and again after one training step with a
 large learning rate (which moves the log-probs well past the tolerance, so a sync that did not
-happen would show).  Rank 0 writes the figures to OUT as JSON.
+happen would show).  Rank 0 writes the figures to OUT as JSON.  With ``rollout.max_staleness=1
+run.steps=2`` the second step's batch is sampled by the engine while the first step updates.
 """
 
 import json
@@ -93,7 +94,8 @@ def main(out_path: str, run_dir: str, *overrides: str) -> None:
         samples = trainer.engine.generate(requests, torch.Generator().manual_seed(0))
         before = trainer_logprobs(trainer, requests, samples)
         gap_start = gap([s.logprobs for s in samples], before)
-        (metrics,) = trainer.fit()
+        history = trainer.fit()
+        metrics = history[-1]
         after_same = trainer_logprobs(trainer, requests, samples)  # the first samples, under the new weights
         moved = max(float((a - b).abs().max()) for a, b in zip(after_same, before))
         fresh = trainer.engine.generate(requests, torch.Generator().manual_seed(0))
@@ -102,7 +104,9 @@ def main(out_path: str, run_dir: str, *overrides: str) -> None:
         stats = {pid: dict(e.sync_stats) for pid, e in trainer.engine.engines.items()}
         result = {"rank": rank, "world": trainer.backend.world, "gap_start": gap_start, "gap_after": gap_after,
                   "moved": moved, "episodes": metrics["episodes"], "valid": metrics["events/valid"],
-                  "mismatch": metrics.get("mismatch/mean_abs"), "sync": stats,
+                  "mismatch": metrics.get("mismatch/mean_abs"), "sync": stats, "steps": len(history),
+                  "staleness_max": [m["rollout/staleness_max"] for m in history],
+                  "overlap_s": [m.get("time/overlap_s", 0.0) for m in history],
                   "rss_mb": rss_before / 2**20, "sync_rss_peak_extra_mb": sync_peak / 2**20,
                   "bucket_bytes": next(iter(trainer.engine.engines.values())).settings.bucket_bytes}
         results = [None] * trainer.backend.world

@@ -18,10 +18,18 @@ episodes, serialised) and the data position and sampling RNG after it, so ``--re
 exactly — an episode in flight when a run is killed is sampled again from the same state, never
 lost or counted twice.
 
+With the vLLM engine the engine *is* the rollout copy: its weights live in its own process and
+stay at the old version until the trainer pushes the new ones, so nothing is copied — the rollout
+thread only submits requests and collects outputs while the engine generates and the trainer
+computes, and the push (:meth:`~srpo.rollout.vllm.VLLMRollout.update_weights`, under FSDP a
+collective over the shards) runs in the trainer's thread once the rollout is done.  The
+runtime sees the policies through a :class:`SamplerView`, which records the version the engine
+holds rather than the trainer's.
+
 What overlaps: the rollout thread's forward passes and the main thread's update share the CPU (or
 GPU); with two cores there is little to gain (benchmarks/bench_overlap.py measures it), with a
-rollout on its own hardware the update hides behind it.  Memory: the rollout copy doubles the
-model's weights (not its optimizer state).
+rollout on its own hardware the update hides behind it.  Memory: the built-in sampler's rollout
+copy doubles the model's weights (not its optimizer state); with vLLM there is no copy.
 """
 
 from __future__ import annotations
@@ -40,17 +48,43 @@ from srpo.tasks.base import Task
 from srpo.workflows.runtime import EpisodeResult
 
 
+class SamplerView:
+    """The policies as a rollout sees them when an engine holds its own copy of the weights: the
+    same roles, tokenizer and layout, but the versions the *engine's* weights are at (the trainer's
+    move on while the rollout runs)."""
+
+    def __init__(self, policies):
+        self._policies = policies
+        self.versions = dict(policies.versions)
+
+    def version(self, policy_id: str) -> int:
+        return self.versions[policy_id]
+
+    def __getattr__(self, name):
+        return getattr(self._policies, name)
+
+
 class OverlappedRollout:
     """A rollout copy of ``policies`` with its own runtime (``make_runtime(policies, engine)``),
-    run in a background thread: :meth:`start`, then :meth:`wait`, then :meth:`sync`."""
+    run in a background thread: :meth:`start`, then :meth:`wait`, then :meth:`sync`.
 
-    def __init__(self, policies, make_runtime):
-        self.policies = copy.deepcopy(policies)  # the weights rollouts sample from, one version behind
-        for module in self.policies.modules():
-            module.eval()
-            for p in module.parameters():
-                p.requires_grad_(False)
-        self.runtime = make_runtime(self.policies, BuiltinEngine(self.policies))
+    ``engine``: the run's rollout engine.  The built-in one samples from the trainer's own weights,
+    so the rollout gets a frozen copy with a sampler of its own; an engine that holds its own
+    weights (vLLM) is used as it is — the trainer pushes the new weights into it after :meth:`wait`
+    (its ``update_weights``, called by the trainer), and :meth:`sync` records their version."""
+
+    def __init__(self, policies, make_runtime, engine=None):
+        self.copies_weights = engine is None or engine.name == "builtin"
+        if self.copies_weights:
+            self.policies = copy.deepcopy(policies)  # the weights rollouts sample from, one version behind
+            for module in self.policies.modules():
+                module.eval()
+                for p in module.parameters():
+                    p.requires_grad_(False)
+            engine = BuiltinEngine(self.policies)
+        else:
+            self.policies = SamplerView(policies)
+        self.runtime = make_runtime(self.policies, engine)
         self._thread: threading.Thread | None = None
         self._result: list[EpisodeResult] | None = None
         self._error: BaseException | None = None
@@ -95,12 +129,15 @@ class OverlappedRollout:
         return self._result or []
 
     def sync(self, policies) -> None:
-        """The rollout copy takes ``policies``' weights and versions (no rollout may be in flight)."""
+        """The rollout copy takes ``policies``' weights and versions (no rollout may be in flight).
+        With an engine of its own, only the versions: the trainer pushes the weights (the engine's
+        ``update_weights``) before the next rollout starts."""
         if self._thread is not None:
             raise RuntimeError("the rollout copy is in use")
-        with torch.no_grad():
-            for src, dst in zip(policies.modules(), self.policies.modules()):
-                dst.load_state_dict(src.state_dict())  # copies in place: the copy stays frozen
+        if self.copies_weights:
+            with torch.no_grad():
+                for src, dst in zip(policies.modules(), self.policies.modules()):
+                    dst.load_state_dict(src.state_dict())  # copies in place: the copy stays frozen
         self.policies.versions = dict(policies.versions)
 
 

@@ -115,7 +115,7 @@ class Trainer:
 
             self.overlap = OverlappedRollout(self.policies, lambda policies, engine: build.runtime(
                 cfg, build.Team(self.workflow, self.role_specs, policies, self.retriever), engine,
-                self.rollout_generator, reward_fn))
+                self.rollout_generator, reward_fn), self.engine)
         self.target_steps = cfg.run.steps
         self.step, self.data_epoch, self.data_pos = 0, 0, 0
         self.data_order = epoch_order(len(self.train_tasks), cfg.run.seed, 0)

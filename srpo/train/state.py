@@ -160,9 +160,9 @@ def resume(trainer, path: Path | None = None) -> bool:
             continue
         check_same_data(trainer, plain, candidate)
         restore(trainer, tensors, plain)
-        trainer.engine.update_weights()
-        if trainer.overlap is not None:  # the rollout copy samples from the resumed weights
-            trainer.overlap.sync(trainer.policies)  # a rollout engine samples from the resumed weights
+        trainer.engine.update_weights()  # a rollout engine samples from the resumed weights
+        if trainer.overlap is not None:  # ... and so does the rollout copy (or: its recorded version)
+            trainer.overlap.sync(trainer.policies)
         if problems:
             log.warning("resumed from the older checkpoint %s", candidate.name)
         trainer.logger.truncate_after(trainer.step)
