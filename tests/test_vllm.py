@@ -186,7 +186,7 @@ def test_fsdp_ranks_train_a_team_with_their_own_engines_synced_from_the_shards(t
     embedding = 49152 * 576 * 4  # SmolLM2-135M's (tied) embedding in float32: the largest tensor, alone in its bucket
     for r in ranks:
         assert r["gap_start"] < TOL and r["gap_after"] < TOL  # the engine holds the trainer's weights after each sync
-        assert r["moved"] > 100 * TOL  # ... and the step moved them: a missed sync would show
+        assert r["moved"] > 50 * TOL  # ... and the step moved them (lora: 0.3 nats, full: 6-18): a missed sync would show
         assert r["episodes"] > 0 and r["valid"] > 0
         # The last step's sampler gap: with staleness 1 it also holds the first step's update (lr
         # 1e-3 moved the log-probs by several nats), which TIS corrects; without, the engine's gap alone.
