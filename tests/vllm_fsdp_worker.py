@@ -13,6 +13,7 @@ run.steps=2`` the second step's batch is sampled by the engine while the first s
 
 import json
 import os
+import random
 import sys
 
 import torch
@@ -81,10 +82,15 @@ def main(out_path: str, run_dir: str, *overrides: str) -> None:
     cfg = load_config(os.path.join(ROOT, "configs/math/parallel_aggregate/srpo.yaml"), [
         f"run.output_dir={run_dir}", "run.steps=1", "model.name=smollm2-135m", "model.autocast_bf16=false",
         "workflow.options={num_workers: 2}", "workflow.max_new_tokens=16", "train.tasks_per_step=2",
-        "train.group_size=2", "task.train.n=4", "log.tensorboard=false", "rollout.engine=vllm",
+        "train.group_size=4", "task.train.n=4", "log.tensorboard=false", "rollout.engine=vllm",
         "rollout.gpu_memory_utilization=0.1", "train.parallel=fsdp", "train.tis_cap=2.0", "train.lr=1e-3",
         "train.skip_zero_advantage=false", "eval.every=0", "task.eval=[]", *overrides])
-    trainer = Trainer(cfg, progress=False, reward_fn=lambda task, answer: float(len(answer or "") % 3) / 2)
+    # A reward drawn at random for each episode: this test is about the weights reaching the
+    # engines, and it needs a step that moves them — a group whose episodes tie (the same short
+    # answer, often, on one-digit sums) has no advantage, and a LoRA adapter (B = 0 at the start)
+    # then does not move at all.
+    draw = random.Random(1234)
+    trainer = Trainer(cfg, progress=False, reward_fn=lambda task, answer: draw.random())
     rank = trainer.backend.rank
     try:
         tok = trainer.policies.tokenizer
