@@ -9,7 +9,7 @@ import torch
 from srpo.config import ConfigError, parse_config
 from srpo.parallel.devices import DeviceError, process_group_backend, rank_device
 from srpo.policies.sampling import draw, kv_budget, SAMPLE_KV_BUDGET
-from srpo.rollout.vllm import buckets, engine_visible_devices, staging_root
+from srpo.rollout.vllm import buckets, cpu_cores_of_rank, engine_visible_devices, engine_weights, staging_root
 
 TORCHRUN = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}
 
@@ -88,6 +88,35 @@ def test_weight_sync_buckets_and_a_small_dev_shm(monkeypatch, tmp_path):
     assert staging_root(256 << 20, str(shm)) != shm  # 64 MB free: two 256 MB buckets do not fit
     assert staging_root(16 << 20, str(shm)) == shm
     assert staging_root(16 << 20, str(tmp_path / "missing")) != tmp_path / "missing"
+
+
+def test_each_ranks_cpu_engine_binds_its_own_cores():
+    """On CPU, two ranks' engines binding the same cores would halve each other's speed."""
+    assert cpu_cores_of_rank({}, cores=2) == "0-1"
+    two = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    assert [cpu_cores_of_rank({**two, "LOCAL_RANK": str(r)}, cores=2) for r in (0, 1)] == ["0-0", "1-1"]
+    assert [cpu_cores_of_rank({**two, "LOCAL_RANK": str(r)}, cores=16) for r in (0, 1)] == ["0-7", "8-15"]
+    four = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}  # more ranks than cores: one core each, in turn
+    assert [cpu_cores_of_rank({**four, "LOCAL_RANK": str(r)}, cores=2) for r in range(4)] == ["0-0", "1-1", "0-0", "1-1"]
+
+
+def test_engine_weights_stream_each_tensor_once_in_the_engines_dtype():
+    """The sync's walk of a model: a tied head is given once (safetensors refuses shared storage;
+    the engine ties it itself), every other tensor once with its values, cast to the engine's
+    dtype; and the walk is lazy, so the buckets hold what they are given, not the model."""
+    from srpo.policies import load_model
+
+    model = load_model("tiny-llama")[0]  # tie_word_embeddings: lm_head.weight is embed_tokens.weight
+    state = model.state_dict()
+    items = list(engine_weights(model, torch.bfloat16))
+    names = [n for n, _ in items]
+    assert len(names) == len(set(names)) == len(state) - 1 and "lm_head.weight" not in names
+    for name, tensor in items:
+        assert tensor.dtype == torch.bfloat16 and tensor.device.type == "cpu"
+        assert torch.equal(tensor, state[name].to(torch.bfloat16))
+    walk = engine_weights(model)
+    assert not isinstance(walk, (list, dict))  # a generator: nothing gathered or copied before it is asked for
+    assert sum(len(g) for g in buckets(walk, limit=1 << 14)) == len(names)
 
 
 def test_sampler_memory_budget_follows_the_device(monkeypatch):

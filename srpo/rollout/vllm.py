@@ -186,7 +186,7 @@ def cpu_cores_of_rank(env=None, cores: int | None = None) -> str:
     cores = max(cores or os.cpu_count() or 1, 1)
     ranks = max(int(env.get("LOCAL_WORLD_SIZE", "1")), 1) if int(env.get("WORLD_SIZE", "1")) > 1 else 1
     per = max(cores // ranks, 1)
-    first = min(int(env.get("LOCAL_RANK", "0")) * per, cores - 1)
+    first = (int(env.get("LOCAL_RANK", "0")) * per) % cores  # more ranks than cores: they take turns
     last = min(first + per, cores) - 1
     return f"{first}-{last}"
 
