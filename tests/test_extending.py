@@ -240,6 +240,15 @@ def test_every_config_in_configs_validates(tmp_path, monkeypatch):
     for f in runs:
         if "/paper/" in f:  # GPU/hub models and hub datasets: their fields must still parse
             parse_section(Config, read_yaml(f))
+            # ... also as docs/scaling.md launches them on 8 GPUs: FSDP with the vLLM engine they select,
+            # their LoRA layout, and full fine-tuning with float32 master weights (its --set line).
+            for extra in ({}, {"layout": "shared", "dtype": "float32", "autocast_bf16": True}):
+                data = read_yaml(f)
+                data.setdefault("train", {}).update(parallel="fsdp", activation_checkpointing=True)
+                data.setdefault("model", {}).update(extra)
+                data.setdefault("rollout", {})["sleep_during_update"] = True
+                data.setdefault("run", {})["device"] = "cuda"
+                assert parse_section(Config, data).rollout.engine == "vllm"
         else:
             load_config(f)
     studies = glob.glob(str(ROOT / "configs" / "studies" / "*.yaml"))
