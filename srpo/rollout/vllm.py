@@ -114,9 +114,8 @@ def engine_weights(model: torch.nn.Module, dtype: torch.dtype | None = None):
         with torch.no_grad():
             if hasattr(tensor, "full_tensor"):  # a DTensor: gathered from every rank's shard
                 tensor = tensor.full_tensor()
-            tensor = tensor.detach().to("cpu")
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
+            cast = dtype if dtype is not None and tensor.is_floating_point() else None
+            tensor = tensor.detach().to("cpu", dtype=cast)  # one copy, in the engine's dtype
         yield name, tensor.contiguous()
 
 
@@ -353,6 +352,7 @@ class VLLMRollout:
     adapters) after every update."""
 
     name = "vllm"
+    reads_trainer_weights = False  # the engines hold their own copy, pushed by update_weights
 
     def __init__(self, policies, model_name: str, *, dtype: str, seed: int, settings: EngineSettings):
         self.policies = policies

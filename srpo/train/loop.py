@@ -174,7 +174,7 @@ class Trainer:
         """What sampling needs of the trainer's weights: the full parameters (FSDP gathers them —
         a collective every rank enters once) when the built-in sampler reads them; nothing when an
         engine (vLLM) holds its own copy."""
-        if self.engine.name == "builtin":
+        if self.engine.reads_trainer_weights:
             return self.backend.gathered(self.policies)
         return contextlib.nullcontext()
 

@@ -91,8 +91,7 @@ class PolicyUpdate:
         ent = torch.zeros(M, T, device=batch.input_ids.device)
         with torch.set_grad_enabled(grad), self.autocast(), self._training_mode(grad and self.adapter_dropout):
             present = set(batch.policy_ids)
-            every = self.policies.policy_ids if self.backend.needs_idle_pass else sorted(present)
-            for pid in every:
+            for pid in self._pass_order(present):
                 if pid not in present:  # another rank may forward this policy: join its collectives
                     lp = lp + self.backend.idle_pass(self.policies, [pid], grad=grad)
                     continue
@@ -108,6 +107,12 @@ class PolicyUpdate:
                 lp = lp.index_put((rows,), out)  # out of place: keeps the graph of every policy
         return (lp, ent) if entropy else lp
 
+    def _pass_order(self, present: set[str]) -> list[str]:
+        """The policies whose passes this rank runs, in order: those with rows here — or, under a
+        backend that needs idle passes, every policy (those without rows run idle), in one order
+        on every rank."""
+        return self.policies.policy_ids if self.backend.needs_idle_pass else sorted(present)
+
     def reference_logprobs(self, batch):
         """(M, T) reference log-probs, under the same autocast as the policy's: a KL term between
         a bf16 forward and a float32 one would measure the precision gap, not the policy's drift."""
@@ -115,7 +120,7 @@ class PolicyUpdate:
         ref = torch.zeros(M, T, device=batch.input_ids.device)
         with self.autocast():
             present = set(batch.policy_ids)
-            for pid in self.policies.policy_ids if self.backend.needs_idle_pass else sorted(present):
+            for pid in self._pass_order(present):
                 if pid not in present:  # FSDP: another rank may run this policy's reference (a collective)
                     self.backend.idle_pass(self.policies, [pid], grad=False, reference=True)
                     continue
