@@ -210,24 +210,23 @@ def collate(events: list[Event], pad_token_id: int) -> EventBatch:
         raise ValueError("cannot collate an empty list of members")
     P = max(len(m.prompt_ids) for _, m in members)
     T = max(max(len(m.completion_ids) for _, m in members), 1)
-    M = len(members)
-    input_ids = torch.full((M, P + T), pad_token_id, dtype=torch.long)
-    attention = torch.zeros((M, P + T), dtype=torch.long)
-    action_mask = torch.zeros((M, T), dtype=torch.float32)
-    behaviour = torch.zeros((M, T), dtype=torch.float32)
-    old = torch.zeros((M, T), dtype=torch.float32)
-    for i, (_, m) in enumerate(members):
+    # Padded rows are built as Python lists and converted once per tensor: one torch.tensor call
+    # per row and field cost more than the whole update on small models.
+    ids, attention, mask, behaviour, old = [], [], [], [], []
+    for _, m in members:
         p, t = len(m.prompt_ids), len(m.completion_ids)
-        input_ids[i, P - p:P] = torch.tensor(m.prompt_ids, dtype=torch.long)
-        attention[i, P - p:P + t] = 1
-        if t:
-            input_ids[i, P:P + t] = torch.tensor(m.completion_ids, dtype=torch.long)
-            action_mask[i, :t] = torch.tensor(m.action_mask, dtype=torch.float32)
-            behaviour[i, :t] = torch.tensor(m.behaviour_logprobs, dtype=torch.float32)
-            old[i, :t] = torch.tensor(m.old_logprobs if m.old_logprobs is not None else m.behaviour_logprobs,
-                                      dtype=torch.float32)
-    behaviour = behaviour * action_mask
-    old = old * action_mask
+        pad_left, pad_right = [pad_token_id] * (P - p), [pad_token_id] * (T - t)
+        ids.append(pad_left + list(m.prompt_ids) + list(m.completion_ids) + pad_right)
+        attention.append([0] * (P - p) + [1] * (p + t) + [0] * (T - t))
+        zeros = [0.0] * (T - t)
+        mask.append(list(m.action_mask) + zeros)
+        behaviour.append(list(m.behaviour_logprobs) + zeros)
+        old.append(list(m.old_logprobs if m.old_logprobs is not None else m.behaviour_logprobs) + zeros)
+    input_ids = torch.tensor(ids, dtype=torch.long)
+    attention = torch.tensor(attention, dtype=torch.long)
+    action_mask = torch.tensor(mask, dtype=torch.float32)
+    behaviour = torch.tensor(behaviour, dtype=torch.float32) * action_mask
+    old = torch.tensor(old, dtype=torch.float32) * action_mask
     return EventBatch(
         input_ids=input_ids,
         attention_mask=attention,

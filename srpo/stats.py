@@ -120,6 +120,24 @@ def seeds_needed(sd: float, effect: float, target: float = 0.8, alpha: float = A
     return n
 
 
+def tost(values: Sequence[float], margin: float) -> float | None:
+    """Two one-sided t-tests (TOST) of equivalence within ``±margin`` for paired differences.
+
+    p = max(p of "mean ≤ −margin", p of "mean ≥ +margin"); p < α supports |mean| < margin — the
+    only way a study here may call two cells equivalent (a non-significant difference never does).
+    None with fewer than 2 values.
+    """
+    if len(values) < 2 or not margin > 0:
+        return None
+    mean, se = mean_se(list(values))
+    df = len(values) - 1
+    if se == 0:
+        return 0.0 if abs(mean) < margin else 1.0
+    p_low = float(_st.t.sf((mean + margin) / se, df))  # H0: mean <= -margin
+    p_high = float(_st.t.cdf((mean - margin) / se, df))  # H0: mean >= +margin
+    return max(p_low, p_high)
+
+
 def paired(diffs: Sequence[float]) -> dict[str, Any]:
     """Everything one paired comparison reports (before any adjustment for the others)."""
     n = len(diffs)
