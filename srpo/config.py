@@ -173,7 +173,12 @@ class DataSource(Section):
     skip_bad_rows: bool = False
     """Skip (and count) rows without a question or answer instead of failing."""
     fields: dict[str, str] = Field(default_factory=dict)
-    """Rename a dataset's columns to ours, e.g. {question: prompt, answer: solution}."""
+    """Where our fields are in a dataset's rows: a column (``{question: problem}``) or a path into
+    nested columns — ``.`` for a key, ``[i]`` for a list item, negative from the end — e.g. DAPO-
+    Math-17k's ``{question: "prompt[-1].content", answer: reward_model.ground_truth}``."""
+    config: str = ""
+    """Hub datasets: the dataset's configuration (``datasets.load_dataset(id, config)``), e.g.
+    ``distractor`` for hotpotqa/hotpot_qa ('' : the dataset has one)."""
     corpus: str = ""
     """Search workflows, held-out sets only: this set's own corpus (a jsonl path, or synthetic_kb:
     this source's own KB), searched instead of ``task.corpus``/``retriever.url`` when the set is

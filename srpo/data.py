@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 from typing import Any
 
 from srpo.config import Config, DataSource
-from srpo.tasks.base import DatasetError, Task
+from srpo.tasks.base import DatasetError, Task, UnreadableRow
 from srpo.tasks.kinds import TASK_KINDS, synthetic_source
 from srpo.tasks.kinds import task_kind as get_kind
 from srpo.tasks.search import BM25Retriever, Passage, load_corpus, synthetic_kb
@@ -46,9 +47,85 @@ def _hub_rows(src: DataSource):
     try:
         import datasets
     except ImportError:
-        raise DatasetError(f"{src.source}: hub datasets need the 'datasets' package (pip install datasets)") from None
-    ds = datasets.load_dataset(src.source.removeprefix("hub:"), split=src.split or "train")
+        raise DatasetError(f"{src.source}: hub datasets need the 'datasets' package "
+                           "(pip install 'srpo[hub]')") from None
+    dataset_id = src.source.removeprefix("hub:")
+    try:
+        ds = datasets.load_dataset(dataset_id, src.config or None, split=src.split or "train")
+    except ValueError as err:
+        if "config" in str(err).lower() and not src.config:
+            raise DatasetError(f"{src.source}: the dataset has several configurations; name one with "
+                               f"'config:' in this data source ({err})") from None
+        raise DatasetError(f"{src.source}: {err}") from None
+    except (OSError, ConnectionError) as err:  # offline, unknown id, no access
+        raise DatasetError(f"{src.source}: could not load it ({type(err).__name__}: {err})") from None
     return iter(enumerate(ds, start=1))
+
+
+_PATH_STEP = re.compile(r"([^.\[\]]+)|\[(-?\d+)\]")
+
+
+def field_path(path: str) -> list[str | int]:
+    """``"prompt[-1].content"`` → ``["prompt", -1, "content"]`` (a ValueError names a bad path)."""
+    steps: list[str | int] = []
+    pos = 0
+    for m in _PATH_STEP.finditer(path):
+        gap = path[pos:m.start()]
+        if gap not in ("", ".") or (gap == "." and not steps):
+            break
+        steps.append(m.group(1) if m.group(1) is not None else int(m.group(2)))
+        pos = m.end()
+    if not steps or pos != len(path):
+        raise ValueError(f"field path {path!r} is not valid: use keys joined by '.' and list items as [i]")
+    return steps
+
+
+def field_value(row: dict, path: str):
+    """The value at ``path`` in ``row``; a KeyError names the path and the step that is missing."""
+    value: Any = row
+    for i, step in enumerate(field_path(path)):
+        where = path if i == 0 else f"{path} (at {step!r})"
+        if isinstance(step, int):
+            if not isinstance(value, (list, tuple)) or not -len(value) <= step < len(value):
+                raise KeyError(f"{where} missing: no item [{step}]")
+            value = value[step]
+        else:
+            if not isinstance(value, dict) or step not in value or value[step] is None:
+                raise KeyError(f"{where} missing")
+            value = value[step]
+    return value
+
+
+_LOADER_ALIASES = {"question": ("problem", "question_text"),
+                   "answer": ("answers", "golden_answers", "answers_objects")}
+
+
+def map_fields(rows, fields: dict[str, str]):
+    """Rows with our fields taken from the dataset's columns or paths (``DataSource.fields``).
+
+    A plain column is renamed (the dataset's name no longer appears, so a loader that looks for
+    it first does not pick the unmapped value); a row missing a path becomes an
+    :class:`~srpo.tasks.base.UnreadableRow` the loader reports (or skips and counts) by row.
+    """
+    for theirs in fields.values():
+        field_path(theirs)  # a malformed path fails here, once, before any row is read
+    plain = {theirs for theirs in fields.values() if "." not in theirs and "[" not in theirs}
+    # A mapped field replaces every column the built-in loaders read in its place (MATH's
+    # ``problem`` is read before ``question``): the user's mapping must win.
+    plain |= {alias for ours in fields for alias in _LOADER_ALIASES.get(ours, ())}
+
+    def mapped():
+        for n, row in rows:
+            out = {k: v for k, v in row.items() if k not in plain}
+            try:
+                for ours, theirs in fields.items():
+                    out[ours] = field_value(row, theirs)
+            except KeyError as err:
+                yield n, UnreadableRow(err.args[0])
+                continue
+            yield n, out
+
+    return mapped()
 
 
 def load_tasks(src: DataSource, kind: str, *, held_out: bool) -> list[Task]:
@@ -65,8 +142,10 @@ def load_tasks(src: DataSource, kind: str, *, held_out: bool) -> list[Task]:
     if src.fields:
         from srpo.tasks.base import read_rows
 
-        rename = {theirs: ours for ours, theirs in src.fields.items()}
-        rows = ((n, {rename.get(k, k): v for k, v in row.items()}) for n, row in (rows or read_rows(src.source)))
+        try:
+            rows = map_fields(rows or read_rows(src.source), src.fields)
+        except ValueError as err:
+            raise DatasetError(f"{src.source}: {err}") from None
     tasks, _ = task_kind.load_file(src.source, skip_bad_rows=src.skip_bad_rows, limit=src.n or None, rows=rows)
     name = source_name(src)
     if task_kind.check_fits is not None:
@@ -84,10 +163,9 @@ def guess_kind(src: DataSource) -> str | None:
         return None
     from srpo.tasks.base import read_rows
 
-    rename = {theirs: ours for ours, theirs in src.fields.items()}
     rows = []
-    for _, row in read_rows(src.source):
-        rows.append({rename.get(k, k): v for k, v in row.items()})
+    for _, row in map_fields(read_rows(src.source), src.fields):
+        rows.append(row)
         if len(rows) >= 50:
             break
     for name in TASK_KINDS.names():

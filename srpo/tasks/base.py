@@ -27,6 +27,15 @@ class Task:
     """``kind``: the name of its :class:`~srpo.tasks.kinds.TaskKind` (math, qa, or a user's)."""
 
 
+class UnreadableRow(dict):
+    """A row whose mapped fields (``fields:`` paths) could not be found: the loader treats it as a
+    bad row with ``reason`` (an error, or a counted skip with ``skip_bad_rows``)."""
+
+    def __init__(self, reason: str):
+        super().__init__()
+        self.reason = reason
+
+
 @dataclass
 class LoadReport:
     """What a loader read: rows kept and rows skipped (with the first reasons)."""
@@ -98,6 +107,8 @@ def load_jsonl_rows(
     report = LoadReport(str(path))
     for line_no, row in (rows if rows is not None else read_rows(path)):
         try:
+            if isinstance(row, UnreadableRow):
+                raise KeyError(row.reason)
             tasks.append(make_task(line_no, row))
         except (KeyError, ValueError, TypeError) as err:
             reason = f"{path}, line {line_no}: {err.args[0] if err.args else err}"
