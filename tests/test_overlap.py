@@ -129,3 +129,41 @@ def test_staleness_one_trains_under_ddp(tmp_path):
     done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert [r["rollout/staleness_max"] for r in read_metrics(run)] == [0, 1, 1]
+
+
+@pytest.mark.slow
+def test_staleness_one_resumes_every_rank_exactly_under_ddp(tmp_path):
+    """Each rank's pending batch is its own in the checkpoint: a run cut in step 3 (newest
+    checkpoint step 2, holding both ranks' batches for step 3) and resumed on 2 ranks ends with
+    the straight run's metrics, episodes and weights (before, every rank resumed rank 0's batch)."""
+    import json
+    import shutil
+    import sys
+    from pathlib import Path
+
+    from test_distributed import free_port
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists() and shutil.which("torchrun") is None:
+        pytest.skip("torchrun is not installed")
+    worker = str(Path(__file__).with_name("overlap_worker.py"))
+
+    def launch(run, *args):
+        cmd = [str(torchrun if torchrun.exists() else "torchrun"), "--nproc_per_node", "2", "--master_port",
+               str(free_port()), worker, str(run), "4", *args]
+        done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    launch(tmp_path / "ref")
+    launch(tmp_path / "cut", "--kill-after", "3")
+    state = json.loads((tmp_path / "cut" / "checkpoints" / "step_0000002" / "trainer_state.json").read_text())
+    batches = state["pending_episodes_by_rank"]
+    assert len(batches) == 2 and all(batches), "both ranks' step-3 batches are saved"
+    assert {e["episode_id"] for e in batches[0]}.isdisjoint(e["episode_id"] for e in batches[1])
+    launch(tmp_path / "cut", "--resume")
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith("time/")}  # noqa: E731
+    assert [strip(r) for r in read_metrics(tmp_path / "cut")] == [strip(r) for r in read_metrics(tmp_path / "ref")]
+    samples = lambda run: (run / "samples.jsonl").read_text().splitlines()  # noqa: E731
+    assert samples(tmp_path / "cut")[-8:] == samples(tmp_path / "ref")[-8:]
+    a, b = _final_weights(tmp_path / "ref"), _final_weights(tmp_path / "cut")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

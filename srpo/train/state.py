@@ -83,6 +83,9 @@ def trainer_state(trainer) -> tuple[dict[str, Any], dict[str, Any]]:
     optimizer state is left out under a sharded backend, which saves it itself."""
     rng_plain, rng_tensors = rng_state()  # Python, NumPy, torch; the sampling generator per rank below
     rng_plain["rollout_by_rank"] = trainer.backend.all_gather_object(trainer.rollout_generator.get_state().tolist())
+    # Each rank's own GPU stream (rng_state() holds this process's view of every device, which
+    # under torchrun is rank 0's when rank 0 writes).
+    rng_plain["cuda_by_rank"] = trainer.backend.all_gather_object(_cuda_rng_of_this_rank())
     sharded = trainer.backend.sharded_optimizer_state
     tensors = {
         "optimizers": {} if sharded else {pid: o.state_dict() for pid, o in trainer.optimizers.items()},
@@ -94,9 +97,11 @@ def trainer_state(trainer) -> tuple[dict[str, Any], dict[str, Any]]:
         "data": {"epoch": trainer.data_epoch, "pos": trainer.data_pos, "order": trainer.data_order},
         "versions": dict(trainer.policies.versions),
         "data_fingerprint": trainer.data_fingerprint,
-        # rollout.max_staleness: the next step's batch, sampled before this checkpoint (else None).
-        "pending_episodes": (episodes_to_plain(trainer.pending_episodes)
-                             if getattr(trainer, "pending_episodes", None) is not None else None),
+        # rollout.max_staleness: each rank's next batch, sampled before this checkpoint (None where
+        # there is none) — every rank's own, since ranks sample different tasks.
+        "pending_episodes_by_rank": trainer.backend.all_gather_object(
+            episodes_to_plain(trainer.pending_episodes) if getattr(trainer, "pending_episodes", None) is not None
+            else None),
         "rng": rng_plain,
         "totals": dict(trainer.totals),
         "nonfinite_in_a_row": trainer.updater.nonfinite_in_a_row,
@@ -201,7 +206,7 @@ def check_same_data(trainer, plain: dict[str, Any], checkpoint: Path) -> None:
 def restore(trainer, tensors: dict[str, Any], plain: dict[str, Any]) -> None:
     """Put a checkpoint's state back into ``trainer`` (weights are loaded by the caller)."""
     backend, cfg = trainer.backend, trainer.cfg
-    pending = plain.get("pending_episodes")
+    pending = pending_batch(plain, backend.rank, backend.world)
     trainer.pending_episodes = episodes_from_plain(pending) if pending is not None and trainer.overlap else None
     trainer.step = plain["step"]
     trainer.data_epoch, trainer.data_pos, trainer.data_order = (plain["data"][k] for k in ("epoch", "pos", "order"))
@@ -227,10 +232,44 @@ def restore(trainer, tensors: dict[str, Any], plain: dict[str, Any]) -> None:
             log.warning("resumed on %d process(es) from a checkpoint of %d: sampling continues from new "
                         "per-rank seeds (the run is not bit-identical to an uninterrupted one)",
                         backend.world, len(by_rank))
+    cuda_by_rank = plain["rng"].get("cuda_by_rank")
+    if cuda_by_rank and len(cuda_by_rank) == backend.world and cuda_by_rank[backend.rank] is not None:
+        if torch.cuda.is_available():
+            torch.cuda.set_rng_state(torch.tensor(cuda_by_rank[backend.rank], dtype=torch.uint8),
+                                     torch.cuda.current_device())
     trainer.totals.clear()
     trainer.totals.update(plain["totals"])
     trainer.updater.nonfinite_in_a_row = plain["nonfinite_in_a_row"]
     trainer.best = plain.get("best")
+
+
+def _cuda_rng_of_this_rank() -> list[int] | None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.get_rng_state(torch.cuda.current_device()).tolist()
+    return None
+
+
+def pending_batch(plain: dict[str, Any], rank: int, world: int) -> list | None:
+    """This rank's pending batch (``rollout.max_staleness``) from a checkpoint's plain state.
+
+    Same number of ranks: each rank continues with its own batch.  Another number: the batches
+    were sampled for another deal of tasks to ranks and cannot be split fairly, so they are dropped
+    and the step samples anew (said once, on rank 0).  A checkpoint from before per-rank batches
+    holds rank 0's only: usable by a one-process run alone.
+    """
+    by_rank = plain.get("pending_episodes_by_rank")
+    if by_rank is None:
+        legacy = plain.get("pending_episodes")
+        by_rank = [legacy] if legacy is not None else None
+    if not by_rank or all(b is None for b in by_rank):
+        return None
+    if len(by_rank) == world:
+        return by_rank[rank]
+    if rank == 0:
+        log.warning("the checkpoint holds the next step's batches of %d rank(s) and this run has %d: they are "
+                    "dropped and the next step samples anew from the data (the run is not bit-identical to an "
+                    "uninterrupted one)", len(by_rank), world)
+    return None
 
 
 def make_totals() -> defaultdict:
