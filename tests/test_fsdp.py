@@ -210,3 +210,32 @@ def test_fsdp_with_a_kl_reference_updates_like_one_plain_process(tmp_path):
     assert max((a[k] - c[k]).abs().max().item() for k in a) > 1e-3, "the KL term must change the update"
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-6, rtol=1e-5), k
+
+
+TEMPERATURE_PROBE = """
+import torch, copy
+from srpo.policies import load_model
+from srpo.parallel.fsdp import shard
+torch.manual_seed(0)
+root = shard(load_model("tiny-llama")[0], "cpu", bf16_compute=True)  # the CUDA bf16 policy, applied on CPU
+g = torch.Generator().manual_seed(0)
+ids = torch.randint(3, 200, (4, 24), generator=g)
+with torch.no_grad():
+    per_row = root(ids, torch.ones_like(ids), 8, action_mask=torch.ones(4, 16), temperature=torch.full((4,), 0.7))
+    scalar = root(ids, torch.ones_like(ids), 8, action_mask=torch.ones(4, 16), temperature=0.7)
+    rounded = root(ids, torch.ones_like(ids), 8, action_mask=torch.ones(4, 16), temperature=0.69921875)
+print(float((per_row - scalar).abs().max()), float((rounded - scalar).abs().max()))
+"""
+
+
+def test_fsdp_bf16_keeps_the_sampling_temperature_in_float32():
+    """Under FSDP's bf16 policy the root used to cast its float inputs — the per-row temperature
+    0.7 became 0.6992, so the trainer's log-probs were of another distribution than the
+    sampler's.  Per-row temperatures (a tensor, cast if cast at all) must give exactly what the
+    plain float 0.7 (never cast) gives, while 0.6992 visibly differs."""
+    done = subprocess.run([sys.executable, "-c", TEMPERATURE_PROBE], env=ENV, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    per_row_gap, rounded_gap = map(float, done.stdout.split()[-2:])
+    assert rounded_gap > 1e-5, "the probe must be able to see bf16's rounding of the temperature"
+    assert per_row_gap == 0.0

@@ -80,29 +80,38 @@ def ensure_process_group(run_device: str = "cpu") -> None:
     atexit.register(lambda: dist.destroy_process_group() if dist.is_initialized() else None)
 
 
+def mixed_precision(root: bool):
+    """FSDP's bf16 policy: parameters gathered in bfloat16, gradients reduced in float32 (the float32
+    shards stay the master weights).  The root does not cast its forward's inputs: they include the
+    per-row sampling temperature, which bfloat16 would round (0.7 → 0.6992) — the trainer's
+    log-probs would then be of another distribution than the sampler's, biasing every ratio and
+    TIS weight.  Its integer inputs are never cast, and the layers cast their own inputs."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=not root)
+
+
 def shard(model: nn.Module, run_device: str = "cpu", bf16_compute: bool = False) -> LogProbModule:
     """Shard ``model`` in place (per decoder layer, then the root) and return its root unit.
 
     The mesh is built for ``run.device``'s device type — ``fully_shard`` without one takes the CUDA
-    mesh whenever CUDA is available, whatever the run asked for.  ``bf16_compute`` (CUDA only): a
-    mixed-precision policy that gathers parameters in bfloat16 and reduces gradients in float32
-    (the float32 shards stay the master weights); without it FSDP communicates in float32."""
+    mesh whenever CUDA is available, whatever the run asked for.  ``bf16_compute``:
+    :func:`mixed_precision` (the backend asks for it on CUDA with ``model.autocast_bf16``); without
+    it FSDP communicates in float32."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     ensure_process_group(run_device)
     mesh = init_device_mesh(device_type(run_device), (dist.get_world_size(),))
-    kw = {"mesh": mesh}
-    if bf16_compute and device_type(run_device) == "cuda":
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     root = LogProbModule(model)
     for layer in decoder_layers(model):
-        fully_shard(layer, **kw)
+        fully_shard(layer, mesh=mesh, **({"mp_policy": mixed_precision(root=False)} if bf16_compute else {}))
     # The root is resharded after its forward too (FSDP's default keeps a root unsharded until its
     # backward): after a no-grad pass there is no backward, and a root left unsharded is re-created
     # with new parameter objects by its next unshard — objects the optimizer does not hold.
-    fully_shard(root, reshard_after_forward=True, **kw)
+    fully_shard(root, mesh=mesh, reshard_after_forward=True,
+                **({"mp_policy": mixed_precision(root=True)} if bf16_compute else {}))
     for unit in root.modules():
         if isinstance(unit, FSDPModule):
             unit.set_gradient_divide_factor(1.0)  # sum over ranks: the loss is normalised globally
@@ -202,7 +211,8 @@ class FullyShardedDataParallel(DataParallel):
         """Shard every policy's model — or, for ``lora``, the one PEFT model — and its KL reference
         when it has one (before the optimizers: they hold the sharded parameters); route the
         log-prob passes through the roots."""
-        shard_ = functools.partial(shard, run_device=self.run_device, bf16_compute=self.bf16_compute)
+        shard_ = functools.partial(shard, run_device=self.run_device,
+                                   bf16_compute=self.bf16_compute and device_type(self.run_device) == "cuda")
         if policies.layout == "lora":
             root = shard_(policies.model)
             self.roots = {"adapters": root}
