@@ -320,7 +320,9 @@ def backend(cfg: Config):
     """The parallel backend (:mod:`srpo.parallel`): FSDP2 for ``train.parallel: fsdp``, else DDP
     ranks under torchrun, else one process."""
     from srpo.parallel.base import DataParallel, SingleProcess
+    from srpo.parallel.devices import use_device
 
+    use_device(device(cfg))  # cuda:N current before any mesh, engine or tensor lands on cuda:0
     if cfg.train.parallel == "fsdp":
         from srpo.parallel.fsdp import FullyShardedDataParallel
 
@@ -332,12 +334,14 @@ def backend(cfg: Config):
 def engine(cfg: Config, policies_):
     """The rollout engine (:mod:`srpo.rollout`) of ``rollout.engine``, on ``policies_``' weights."""
     if cfg.rollout.engine == "vllm":
-        from srpo.rollout.vllm import EngineSettings, VLLMRollout
+        from srpo.rollout.vllm import EngineSettings, VLLMRollout, engine_lora_rank, require_engine_process
 
         max_len = cfg.rollout.max_model_len or cfg.workflow.max_prompt_tokens + cfg.workflow.max_new_tokens
+        if cfg.rollout.max_staleness:  # the rollout thread submits while the trainer computes
+            require_engine_process()
         return VLLMRollout(policies_, cfg.model.name, dtype=engine_dtype(cfg), seed=cfg.run.seed,
                            settings=EngineSettings(cfg.rollout.gpu_memory_utilization, max_len,
-                                                   max_lora_rank=cfg.model.lora.r,
+                                                   max_lora_rank=engine_lora_rank(cfg.model.lora.r),
                                                    seed_requests=cfg.rollout.seed_requests,
                                                    bucket_bytes=cfg.rollout.sync_bucket_mb << 20,
                                                    sleep_mode=cfg.rollout.sleep_during_update))

@@ -2,6 +2,8 @@
 not fail).  Each test names the defect it guards against."""
 
 import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,6 +75,64 @@ def test_engine_of_each_rank_sees_only_its_gpu():
     assert engine_visible_devices({}) is None
     assert engine_visible_devices(TORCHRUN) == "1"
     assert engine_visible_devices({**TORCHRUN, "CUDA_VISIBLE_DEVICES": "4,5"}) == "5"
+    # One process on run.device cuda:N: the engine goes to GPU N too (it used to take GPU 0).
+    assert engine_visible_devices({}, current=2) == "2"
+    assert engine_visible_devices({"CUDA_VISIBLE_DEVICES": "4,5,6"}, current=2) == "6"
+
+
+def test_every_cuda_run_makes_its_device_current(monkeypatch):
+    """run.device cuda:N in one process: cuda:N becomes the current device before the backend is
+    made (FSDP's mesh, the CUDA RNG and tensors made without a device follow it)."""
+    from srpo import build
+    from srpo.parallel import devices
+
+    calls = []
+    monkeypatch.setattr(devices.torch.cuda, "set_device", lambda d: calls.append(str(d)))
+    devices.use_device(torch.device("cuda", 3))
+    devices.use_device(torch.device("cpu"))
+    assert calls == ["cuda:3"]
+    assert "use_device(device(cfg))" in __import__("inspect").getsource(build.backend)
+
+
+def test_lora_ranks_round_up_to_what_vllm_serves():
+    from srpo.rollout.vllm import engine_lora_rank
+
+    assert [engine_lora_rank(r) for r in (1, 4, 8, 24, 48, 64, 300, 512)] == [1, 8, 8, 32, 64, 64, 320, 512]
+    with pytest.raises(ValueError, match="up to 512"):
+        engine_lora_rank(1024)
+
+
+def test_overlap_with_vllm_needs_its_engine_process():
+    from srpo.config import ConfigError
+    from srpo.rollout.vllm import require_engine_process
+
+    env = {}
+    require_engine_process(env)
+    assert env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, "the safe default is set where unset"
+    with pytest.raises(ConfigError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0"):
+        require_engine_process({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+
+
+def test_adapter_syncs_never_ask_the_hub(tmp_path, monkeypatch):
+    """PEFT's save_embedding_layers="auto" fetched the base model's config from the hub at every
+    adapter save (every sync, every policy, every rank); srpo's adapters are saved without it."""
+    import peft.utils.save_and_load as sl
+
+    from srpo.policies.layouts import build_policies
+
+    policies = build_policies("lora", "tiny-llama", ["a", "b"])
+    asked = []
+    monkeypatch.setattr(sl, "check_file_exists_on_hf_hub", lambda *a, **k: asked.append(a) or False, raising=False)
+    seen = []
+    real = sl.get_peft_model_state_dict
+    monkeypatch.setattr(sl, "get_peft_model_state_dict",
+                        lambda *a, **k: seen.append(k.get("save_embedding_layers")) or real(*a, **k))
+    import peft.peft_model as pm
+
+    monkeypatch.setattr(pm, "get_peft_model_state_dict", sl.get_peft_model_state_dict)
+    policies.save_adapter("b", tmp_path / "b")
+    assert seen == [False] and not asked
+    assert any((tmp_path / "b").rglob("adapter_model.safetensors"))
 
 
 def test_weight_sync_buckets_and_a_small_dev_shm(monkeypatch, tmp_path):
@@ -85,9 +145,54 @@ def test_weight_sync_buckets_and_a_small_dev_shm(monkeypatch, tmp_path):
     shm = tmp_path / "shm"
     shm.mkdir()
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(64 << 20, 0, 64 << 20))
-    assert staging_root(256 << 20, str(shm)) != shm  # 64 MB free: two 256 MB buckets do not fit
-    assert staging_root(16 << 20, str(shm)) == shm
-    assert staging_root(16 << 20, str(tmp_path / "missing")) != tmp_path / "missing"
+    assert staging_root(256 << 20, shm=str(shm), env={}) != shm  # 64 MB free: two 256 MB buckets do not fit
+    assert staging_root(16 << 20, shm=str(shm), env={}) == shm
+    assert staging_root(16 << 20, shm=str(tmp_path / "missing"), env={}) != tmp_path / "missing"
+    # Sized for every local rank at once and for a tensor larger than a bucket (it travels alone).
+    eight = {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"}
+    assert staging_root(2 << 20, shm=str(shm), env=eight) == shm  # 8 ranks x 2 x 2 MB = 32 MB
+    assert staging_root(8 << 20, shm=str(shm), env=eight) != shm  # 8 x 2 x 8 MB = 128 MB
+    assert staging_root(1 << 20, 40 << 20, shm=str(shm), env={}) != shm  # one 40 MB embedding, twice
+
+
+def test_weight_sync_falls_back_to_disk_when_shm_fills(tmp_path, monkeypatch):
+    """A /dev/shm that fills during a sync (other jobs share it): the bucket is staged on disk and
+    the sync goes on; only disk failing too is an error, naming the path."""
+    import errno
+
+    import safetensors.torch as st
+
+    from srpo.rollout import vllm
+
+    engine = vllm.VLLMEngine.__new__(vllm.VLLMEngine)
+    shm_root = tmp_path / "shm"
+    shm_root.mkdir()
+    engine.shm = Path(tempfile.mkdtemp(dir=shm_root))
+    engine.settings = vllm.EngineSettings(bucket_bytes=1 << 20)
+    engine.sync_stats = {"syncs": 0, "buckets": 0, "max_bucket_bytes": 0}
+    loaded = []
+
+    class LLM:
+        def collective_rpc(self, name, args=()):
+            if name == "srpo_load_bucket":
+                loaded.append((Path(args[0]).parent.parent, sorted(st.load_file(args[0]))))
+
+        def reset_prefix_cache(self):
+            pass
+
+    engine.llm = LLM()
+    real_save = st.save_file
+
+    def save_file(tensors, path):
+        if str(path).startswith(str(shm_root)):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(tensors, path)
+
+    monkeypatch.setattr(st, "save_file", save_file)
+    engine.sync({"a": torch.zeros(10), "b": torch.ones(10)})
+    assert loaded == [(Path(tempfile.gettempdir()), ["a", "b"])]
+    assert engine.shm.parent == Path(tempfile.gettempdir())
+    engine.close()
 
 
 def test_each_ranks_cpu_engine_binds_its_own_cores():

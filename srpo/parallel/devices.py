@@ -45,6 +45,14 @@ def rank_device(run_device: str, env: Mapping[str, str] | None = None) -> torch.
     raise DeviceError(f"run.device: expected cpu, cuda or cuda:N, got {run_device!r}")
 
 
+def use_device(device: torch.device) -> None:
+    """Make ``device`` this process's current CUDA device (nothing for the CPU).  Without it
+    ``run.device: cuda:N`` in one process put FSDP's mesh, CUDA RNG and every tensor created
+    without a device on GPU 0 while the batches went to GPU N."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def process_group_backend(run_device: str) -> str:
     """gloo for CPU runs (whatever GPUs the machine has), NCCL with gloo beside it for CUDA runs
     (counters and objects travel over gloo)."""

@@ -322,7 +322,11 @@ class LoraPolicies(PolicySet):
 
     def save_adapter(self, policy_id: str, folder) -> None:
         """``policy_id``'s adapter alone in ``folder`` (PEFT's format; every rank calls it under FSDP)."""
-        self.model.save_pretrained(folder, selected_adapters=[policy_id], state_dict=self.adapter_state(policy_id))
+        # save_embedding_layers=False: PEFT's "auto" looks the base model's config up on the hub at
+        # every save (steps × policies × ranks requests) to decide whether embeddings changed;
+        # srpo's adapters never train the embeddings.
+        self.model.save_pretrained(folder, selected_adapters=[policy_id], state_dict=self.adapter_state(policy_id),
+                                   save_embedding_layers=False)
 
     def load_pretrained_weights(self, folder):
         from peft import set_peft_model_state_dict

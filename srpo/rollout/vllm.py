@@ -51,6 +51,7 @@ fraction of *system* memory vLLM reserves for its KV cache.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import shutil
 import tempfile
@@ -61,21 +62,40 @@ import torch
 
 from srpo.policies.sampling import Sample
 
+log = logging.getLogger(__name__)
+
 
 #: Most bytes of weights one sync bucket holds (the extra memory of a weight sync).
 SYNC_BUCKET_BYTES = 256 << 20
 
 
-def staging_root(bucket_bytes: int = SYNC_BUCKET_BYTES, shm: str = "/dev/shm") -> Path:
-    """Where weight-sync buckets are written: ``shm`` (RAM) when it exists and has room for two
-    buckets, else the temporary folder on disk."""
+def staging_root(bucket_bytes: int = SYNC_BUCKET_BYTES, largest_tensor_bytes: int = 0, shm: str = "/dev/shm",
+                 env=None) -> Path:
+    """Where weight-sync buckets are written: ``shm`` (RAM) when it exists and has room for every
+    local rank's staging at once, else the temporary folder on disk.
+
+    All ranks of a node sync at the same time, and a tensor larger than a bucket travels alone (an
+    8B model's embedding is ~1.2 GB in bf16), so the room asked for is, per local rank, two files
+    of the larger of a bucket and the largest tensor.  A container's ``/dev/shm`` is often 64 MB
+    to a few GB: disk is then the honest choice (and :meth:`VLLMEngine.sync` falls back to it if
+    writing still fails)."""
+    env = os.environ if env is None else env
+    ranks = max(int(env.get("LOCAL_WORLD_SIZE", "1")), 1) if int(env.get("WORLD_SIZE", "1")) > 1 else 1
+    need = ranks * 2 * max(bucket_bytes, largest_tensor_bytes)
     if Path(shm).is_dir():
         try:
-            if shutil.disk_usage(shm).free >= 2 * bucket_bytes:
+            if shutil.disk_usage(shm).free >= need:
                 return Path(shm)
         except OSError:
             pass
     return Path(tempfile.gettempdir())
+
+
+def largest_tensor_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """The size in ``dtype`` of the model's largest tensor (global size under FSDP: a DTensor's
+    ``numel`` is the whole tensor's)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return max((t.numel() * size for t in model.state_dict().values()), default=0)
 
 
 def buckets(items, limit: int = SYNC_BUCKET_BYTES):
@@ -119,16 +139,47 @@ def engine_weights(model: torch.nn.Module, dtype: torch.dtype | None = None):
         yield name, tensor.contiguous()
 
 
-def engine_visible_devices(env=None) -> str | None:
-    """Under ``torchrun`` (WORLD_SIZE > 1): the ``CUDA_VISIBLE_DEVICES`` value that leaves this
-    rank's engine only its own GPU (``LOCAL_RANK`` indexes the devices visible to the launch);
-    None in one process."""
+def engine_visible_devices(env=None, current: int = 0) -> str | None:
+    """The ``CUDA_VISIBLE_DEVICES`` value that leaves the engine only this process's GPU: under
+    ``torchrun`` (WORLD_SIZE > 1) the rank's (``LOCAL_RANK`` indexes the devices visible to the
+    launch); in one process the current device ``current`` (``run.device: cuda:N``), None for
+    device 0 (the engine's own default)."""
     env = os.environ if env is None else env
-    if int(env.get("WORLD_SIZE", "1")) <= 1:
-        return None
-    local = int(env.get("LOCAL_RANK", "0"))
     visible = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if int(env.get("WORLD_SIZE", "1")) <= 1:
+        if not current:
+            return None
+        return visible[current] if visible else str(current)
+    local = int(env.get("LOCAL_RANK", "0"))
     return visible[local] if visible else str(local)
+
+
+#: The LoRA ranks vLLM's engine accepts for ``max_lora_rank`` (vllm.config.lora); any other value
+#: stops the engine at start.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def engine_lora_rank(r: int) -> int:
+    """The smallest rank vLLM accepts that holds an adapter of rank ``r`` (an adapter of a lower
+    rank than the engine's maximum loads as it is)."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= r:
+            return allowed
+    raise ValueError(f"model.lora.r = {r}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}")
+
+
+def require_engine_process(env=None) -> None:
+    """Overlapped rollouts submit to the engine from a second thread while the trainer computes:
+    safe only while vLLM's engine core runs in its own process (its default).  The default is set
+    where unset; a process that switched it off is refused."""
+    env = os.environ if env is None else env
+    if env.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
+        from srpo.config import ConfigError
+
+        raise ConfigError("rollout.max_staleness > 0 with VLLM_ENABLE_V1_MULTIPROCESSING=0: the rollout thread "
+                          "and the trainer would share vLLM's in-process engine; unset the variable (vLLM's "
+                          "default runs the engine in its own process) or set rollout.max_staleness: 0")
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
 
 
 class WeightSync:
@@ -212,7 +263,8 @@ class VLLMEngine:
     _lora_ids = itertools.count(1)
 
     def __init__(self, model_path: str | Path, *, dtype: str = "float32", seed: int = 0,
-                 settings: EngineSettings = EngineSettings(), enable_lora: bool = False, dummy_weights: bool = False):
+                 settings: EngineSettings = EngineSettings(), enable_lora: bool = False, dummy_weights: bool = False,
+                 largest_tensor_bytes: int = 0):
         """``dummy_weights``: ``model_path`` holds only the config and tokenizer; the engine starts on
         random weights (vLLM's ``load_format="dummy"``, as verl starts its rollout engines) and the
         first :meth:`sync` gives it the real ones — no copy of the model is written to disk."""
@@ -227,7 +279,7 @@ class VLLMEngine:
         eager = (not torch.cuda.is_available()) if settings.enforce_eager is None else settings.enforce_eager
         lora = ({"enable_lora": True, "max_lora_rank": settings.max_lora_rank, "max_loras": max(1, settings.max_loras)}
                 if enable_lora else {})
-        visible = engine_visible_devices() if torch.cuda.is_available() else None
+        visible = engine_visible_devices(current=torch.cuda.current_device()) if torch.cuda.is_available() else None
         saved = os.environ.get("CUDA_VISIBLE_DEVICES")
         if visible is not None:  # the engine core process (spawned now) sees this rank's GPU only
             os.environ["CUDA_VISIBLE_DEVICES"] = visible
@@ -245,7 +297,8 @@ class VLLMEngine:
                 else:
                     os.environ["CUDA_VISIBLE_DEVICES"] = saved
         self.dtype = getattr(torch, dtype)
-        self.shm = Path(tempfile.mkdtemp(prefix=f"srpo-vllm-{os.getpid()}-", dir=staging_root(settings.bucket_bytes)))
+        self.shm = Path(tempfile.mkdtemp(prefix=f"srpo-vllm-{os.getpid()}-",
+                                         dir=staging_root(settings.bucket_bytes, largest_tensor_bytes)))
         self.loras: dict[str, object] = {}  # policy id → its current LoRARequest
         self.asleep = 0  # the sleep level the engine is in (0: awake)
         self.sync_stats = {"syncs": 0, "buckets": 0, "max_bucket_bytes": 0}
@@ -292,7 +345,12 @@ class VLLMEngine:
         self.llm.collective_rpc("srpo_begin_sync")
         path = self.shm / "bucket.safetensors"
         for group in buckets(weights, self.settings.bucket_bytes):
-            save_file({k: v.detach().to("cpu").contiguous() for k, v in group.items()}, str(path))
+            tensors = {k: v.detach().to("cpu").contiguous() for k, v in group.items()}
+            try:
+                save_file(tensors, str(path))
+            except OSError as err:  # /dev/shm full after all (other jobs share it): stage on disk
+                path = self._stage_on_disk(path, err)
+                save_file(tensors, str(path))
             self.sync_stats["max_bucket_bytes"] = max(self.sync_stats["max_bucket_bytes"], path.stat().st_size)
             self.sync_stats["buckets"] += 1
             self.llm.collective_rpc("srpo_load_bucket", args=(str(path),))
@@ -300,6 +358,19 @@ class VLLMEngine:
         self.llm.collective_rpc("srpo_finish_sync")
         self.sync_stats["syncs"] += 1
         self.reset_prefix_cache()
+
+    def _stage_on_disk(self, path: Path, err: OSError) -> Path:
+        """Move staging from a full ``/dev/shm`` to the temporary folder on disk (once; said)."""
+        path.unlink(missing_ok=True)
+        disk = Path(tempfile.gettempdir())
+        if self.shm.parent == disk:
+            raise OSError(err.errno, f"weight sync: cannot write a bucket to {path} ({err.strerror}); free space "
+                                     f"there or lower rollout.sync_bucket_mb") from err
+        log.warning("weight sync: %s has no room for a bucket (%s); staging on disk in %s from now on",
+                    self.shm.parent, err.strerror or err, disk)
+        shutil.rmtree(self.shm, ignore_errors=True)
+        self.shm = Path(tempfile.mkdtemp(prefix=f"srpo-vllm-{os.getpid()}-", dir=disk))
+        return self.shm / path.name
 
     def sleep(self, level: int) -> None:
         """Release the engine's GPU memory while the trainer updates (vLLM's sleep mode): the KV
@@ -374,7 +445,9 @@ class VLLMRollout:
                     # holds whole.
                     folder = staging / pid
                     _save_config_for_engine(policies.model_for(pid), policies.tokenizer, folder)
-                    self.engines[pid] = VLLMEngine(folder, dtype=dtype, seed=seed, settings=share, dummy_weights=True)
+                    self.engines[pid] = VLLMEngine(
+                        folder, dtype=dtype, seed=seed, settings=share, dummy_weights=True,
+                        largest_tensor_bytes=largest_tensor_bytes(policies.model_for(pid), getattr(torch, dtype)))
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         self.update_weights()
