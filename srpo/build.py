@@ -326,9 +326,12 @@ def backend(cfg: Config):
     if cfg.train.parallel == "fsdp":
         from srpo.parallel.fsdp import FullyShardedDataParallel
 
-        return FullyShardedDataParallel(cfg.run.device, bf16_compute=cfg.model.autocast_bf16)
-    ddp = DataParallel()
-    return ddp if ddp.enabled else SingleProcess()
+        chosen = FullyShardedDataParallel(cfg.run.device, bf16_compute=cfg.model.autocast_bf16)
+    else:
+        ddp = DataParallel()
+        chosen = ddp if ddp.enabled else SingleProcess()
+    chosen.silence_report_s = min(30.0, cfg.run.collective_timeout_s / 2)  # named before NCCL's watchdog aborts
+    return chosen
 
 
 def engine(cfg: Config, policies_):

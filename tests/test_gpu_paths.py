@@ -345,3 +345,62 @@ def test_sleep_mode_releases_the_engines_before_the_update_and_wakes_them_before
     with pytest.raises(ConfigError, match="sleep mode needs rollout.engine: vllm on a CUDA"):
         config_from_dict({"model": {"name": "tiny-llama"}, "rollout": {"sleep_during_update": True},
                           "task": {"kind": "math", "train": {"source": "synthetic_arithmetic"}}})
+
+
+def test_the_best_checkpoint_is_chosen_on_rank_0_and_followed_by_every_rank():
+    """vLLM is not batch-invariant: ranks can see different held-out figures.  Each rank deciding
+    alone, one would save (a collective) while another went on.  Rank 0 decides; the others follow
+    its broadcast, whatever they measured."""
+    from types import SimpleNamespace
+
+    from srpo.train.loop import Trainer
+
+    rank0_says = {}
+
+    class Backend:
+        def __init__(self, rank):
+            self.rank = rank
+
+        def broadcast_object(self, obj, src=0):
+            if self.rank == 0:
+                rank0_says["record"] = obj
+                return obj
+            return rank0_says["record"]
+
+    key = "eval/macro/avg@4"
+
+    def trainer(rank, best):
+        return SimpleNamespace(BEST_METRIC=Trainer.BEST_METRIC, cfg=SimpleNamespace(eval=SimpleNamespace(k=4)),
+                               backend=Backend(rank), best=best, step=7)
+
+    previous = {"value": 0.5}
+    # Rank 0 measured no gain, rank 1 a gain: neither saves.
+    assert Trainer._new_best(trainer(0, previous), {key: 0.5}) is None
+    assert Trainer._new_best(trainer(1, previous), {key: 0.9}) is None
+    # Rank 0 measured a gain, rank 1 none: both save, both record rank 0's figure.
+    got0 = Trainer._new_best(trainer(0, previous), {key: 0.6})
+    got1 = Trainer._new_best(trainer(1, previous), {key: 0.4})
+    assert got0 == got1 == {"step": 7, "checkpoint": "step_0000007", "metric": key, "value": 0.6}
+    assert Trainer._new_best(trainer(1, previous), {"reward": 1.0}) is None, "no evaluation: no collective"
+
+
+def test_a_silent_rank_is_named_before_the_nccl_watchdog_could_abort(capsys):
+    """NCCL's watchdog aborts a process on a collective's timeout without running Python, so the
+    message naming the silent rank must already be out: the heartbeat thread names a peer silent
+    for more than silence_report_s (half the collective timeout, at most 30 s), once."""
+    from srpo.parallel.base import DataParallel
+
+    class Store(dict):
+        def get(self, key):
+            return self[key].encode()
+
+    backend = DataParallel.__new__(DataParallel)
+    backend.rank, backend.world, backend.silence_report_s, backend._reported = 0, 3, 30.0, set()
+    backend._store = Store({"srpo/heartbeat/0": "1000", "srpo/heartbeat/1": "995", "srpo/heartbeat/2": "960"})
+    assert backend.report_silent_peers(1000.0) == [2]
+    assert "rank 2 has not answered for 40 s" in capsys.readouterr().err
+    assert backend.report_silent_peers(1001.0) == [], "named once"
+    backend._store["srpo/heartbeat/2"] = "1001"
+    assert backend.report_silent_peers(1002.0) == []
+    backend._store["srpo/heartbeat/2"] = "1001"
+    assert backend.report_silent_peers(1040.0) == [1, 2], "silent again: named again"

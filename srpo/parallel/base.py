@@ -29,10 +29,14 @@ line in :func:`srpo.build.backend`; nothing in the loop changes.
 from __future__ import annotations
 
 import contextlib
+import logging
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def global_norm_value(norm: torch.Tensor) -> torch.Tensor:
@@ -115,6 +119,10 @@ class DataParallel(SingleProcess):
     name = "ddp"
 
     HEARTBEAT_S = 1.0  # how often each rank says it is alive (in the process group's store)
+    #: A peer silent this long is named on stderr at once (build.backend: half of
+    #: run.collective_timeout_s, at most 30 s) — before NCCL's watchdog, which aborts the process
+    #: on a collective's timeout without running any Python, could swallow the name.
+    silence_report_s = 30.0
 
     def __init__(self):
         self.enabled = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -138,12 +146,15 @@ class DataParallel(SingleProcess):
             return
         stop = self._beat_stop = threading.Event()
 
+        self._reported: set[int] = set()
+
         def beat():
             while not stop.is_set():
                 try:
                     self._store.set(f"srpo/heartbeat/{self.rank}", str(time.time()))
                 except Exception:  # noqa: BLE001 — the store is gone: the job is ending
                     return
+                self.report_silent_peers(time.time())
                 stop.wait(self.HEARTBEAT_S)
 
         thread = threading.Thread(target=beat, name="srpo-heartbeat", daemon=True)
@@ -158,6 +169,30 @@ class DataParallel(SingleProcess):
             self._beat_stop.set()
             self._beat_thread.join(timeout=5)
             self._beat_stop = None
+
+    def report_silent_peers(self, now: float) -> list[int]:
+        """Name, once each, the peers whose heartbeat is older than :attr:`silence_report_s` (an
+        error line on stderr and in the log); a peer that beats again may be named again later.
+        Returns the ranks named now."""
+        named = []
+        for r in range(self.world):
+            if r == self.rank:
+                continue
+            try:
+                last = float(self._store.get(f"srpo/heartbeat/{r}").decode())
+            except Exception:  # noqa: BLE001 — not written yet, or the store is gone
+                continue
+            if now - last <= self.silence_report_s:
+                self._reported.discard(r)
+            elif r not in self._reported:
+                self._reported.add(r)
+                named.append(r)
+                message = (f"srpo: rank {r} has not answered for {now - last:.0f} s (stopped, frozen or far slower "
+                           f"than the others); if a collective now times out (run.collective_timeout_s), rank {r} is "
+                           f"the cause — NCCL's watchdog may abort this process without another message")
+                log.error(message)
+                print(message, file=sys.stderr, flush=True)
+        return named
 
     def silent_ranks(self) -> list[int]:
         """Ranks whose heartbeat is older than five beats (unknown: [])."""

@@ -285,15 +285,25 @@ class Trainer:
             out[f"eval/macro/{key}"] = float(value)
         return out
 
-    def _is_new_best(self, metrics: dict[str, Any]) -> bool:
-        value = metrics.get(self.BEST_METRIC.format(k=self.cfg.eval.k))
-        return value is not None and (self.best is None or value > self.best["value"])
+    def _new_best(self, metrics: dict[str, Any]) -> dict[str, Any] | None:
+        """The record of this step as the best held-out evaluation so far, or None — decided on
+        rank 0 and broadcast: every rank evaluates, and engines are not batch-invariant, so ranks
+        may see different figures; deciding alone, one rank would enter the collective save()
+        while another went on (a hang, or mispaired collectives)."""
+        key = self.BEST_METRIC.format(k=self.cfg.eval.k)
+        if key not in metrics:  # no evaluation this step (the same steps on every rank)
+            return None
+        record = None
+        if self.backend.rank == 0:
+            value = metrics[key]
+            if self.best is None or value > self.best["value"]:
+                record = {"step": self.step, "checkpoint": f"step_{self.step:07d}", "metric": key, "value": value}
+        return self.backend.broadcast_object(record)
 
-    def _name_best(self, metrics: dict[str, Any]) -> None:
+    def _name_best(self, record: dict[str, Any]) -> None:
         """Record the step just checkpointed as the best so far in ``checkpoints/best.json`` (rank 0;
         checkpoint pruning keeps the checkpoint it names)."""
-        key = self.BEST_METRIC.format(k=self.cfg.eval.k)
-        self.best = {"step": self.step, "checkpoint": f"step_{self.step:07d}", "metric": key, "value": metrics[key]}
+        self.best = record
         if self.backend.rank == 0:
             write_text_atomic(self.run_dir / "checkpoints" / BEST_FILE, json.dumps(self.best, indent=1))
 
@@ -319,12 +329,12 @@ class Trainer:
                 if on_step is not None:
                     on_step(self, metrics)
                 every = self.cfg.checkpoint.every
-                best = self._is_new_best(metrics)
+                best = self._new_best(metrics)
                 if best or (every and self.step % every == 0):
                     self.save()
                     saved_at = self.step
                 if best:
-                    self._name_best(metrics)
+                    self._name_best(best)
                 signal_name = preemption.check(self.backend)
                 if signal_name is not None:  # a safe point: the step is whole; save it, then stop
                     where = self.save() if saved_at != self.step else self.run_dir / "checkpoints"
