@@ -347,7 +347,9 @@ def engine(cfg: Config, policies_):
                                                    max_lora_rank=engine_lora_rank(cfg.model.lora.r),
                                                    seed_requests=cfg.rollout.seed_requests,
                                                    bucket_bytes=cfg.rollout.sync_bucket_mb << 20,
-                                                   sleep_mode=cfg.rollout.sleep_during_update))
+                                                   sleep_mode=cfg.rollout.sleep_during_update,
+                                                   check_every=cfg.rollout.check_sync_every,
+                                                   max_sync_gap=cfg.rollout.max_sync_gap))
     from srpo.rollout.builtin import BuiltinEngine
 
     return BuiltinEngine(policies_)

@@ -390,6 +390,16 @@ class RolloutConfig(Section):
     """vllm: the most megabytes of weights one weight-sync bucket holds — the extra memory of a sync
     (a tensor larger than this travels alone).  Under train.parallel: fsdp each parameter is
     gathered from the shards only when its bucket is filled."""
+    check_sync_every: NonNegativeInt = 10
+    """vllm: every this many weight syncs (the first included) and after every wake from sleep, the
+    engine's teacher-forced log-probs of a few fixed probe sequences are compared with the trainer's
+    (one small batch per policy), logged as ``rollout/sync_gap`` (mean |Δ log p| per token) and
+    ``rollout/sync_gap_max``; 0: only after a wake."""
+    max_sync_gap: Annotated[Float, Field(gt=0)] = 0.1
+    """vllm: the largest ``rollout/sync_gap`` a check accepts; above it the run saves the trainer's
+    weights and stops, naming the sync — an engine that dropped weights (a sync or wake defect)
+    would otherwise train on another policy's samples.  A bf16 engine against float32 master
+    weights differs by rounding alone, well below the default."""
     seed_requests: bool = True
     """vllm on CUDA: give every request its own seed drawn from srpo's generator (reproducible
     rollouts; vLLM then samples those rows with per-request generators, which may be slower —

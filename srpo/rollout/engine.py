@@ -28,6 +28,12 @@ from srpo.policies.layouts import GenerationRequest
 from srpo.policies.sampling import Sample
 
 
+class EngineOutOfSync(RuntimeError):
+    """An engine's log-probs of fixed probe sequences differ from the trainer's beyond
+    ``rollout.max_sync_gap`` after a sync or a wake: it did not take the weights, and sampling from
+    it would train on another policy's samples."""
+
+
 class RolloutEngine(Protocol):
     name: str
     #: True when the engine samples from the trainer's own parameters (so an FSDP run gathers them

@@ -252,6 +252,8 @@ class EngineSettings:
     seed_requests: bool = True  # CUDA: a seed per request from srpo's generator (CPU: never; see generate)
     bucket_bytes: int = SYNC_BUCKET_BYTES
     sleep_mode: bool = False  # CUDA: vLLM's sleep mode, so the engine's memory is released during updates
+    check_every: int = 10  # probe the engine against the trainer every this many syncs (and after every wake); 0: never
+    max_sync_gap: float = 0.1  # mean |engine − trainer| log-prob per probe token above which the run stops
 
 
 _FINISH = {"length": "length", "stop": "stop", "abort": "length"}
@@ -375,15 +377,36 @@ class VLLMEngine:
     def sleep(self, level: int) -> None:
         """Release the engine's GPU memory while the trainer updates (vLLM's sleep mode): the KV
         cache is dropped; level 1 keeps the weights in CPU memory, level 2 drops them too (right
-        when a full sync follows).  The next :meth:`wake` restores them."""
+        when a full sync follows).  :meth:`wake` restores them."""
         if not self.asleep:
             self.llm.sleep(level=level)
             self.asleep = level
+            self.woken: set[str] = set()
 
-    def wake(self) -> None:
-        if self.asleep:
-            self.llm.wake_up()
+    def wake(self, tags: tuple[str, ...] = ("weights", "kv_cache")) -> None:
+        """Take back the memory of ``tags`` (vLLM's ``weights`` and ``kv_cache``).  Waking in two
+        stages — the weights, the sync, then the KV cache (as TRL does) — keeps the update's freed
+        memory, the weights and the KV cache from all being claimed at the same moment."""
+        if not self.asleep:
+            return
+        todo = [t for t in tags if t not in self.woken]
+        if todo:
+            self.llm.wake_up(tags=todo)
+            self.woken.update(todo)
+        if self.woken >= {"weights", "kv_cache"}:
             self.asleep = 0
+
+    def teacher_forced_logprobs(self, sequences: list[list[int]], adapter: str | None = None) -> list[list[float]]:
+        """log p(token_i | tokens_<i) for i ≥ 1 of each sequence, from the engine at temperature 1
+        (vLLM's prompt log-probs): what :meth:`VLLMRollout.check_sync` compares with the trainer."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+        lora = [self.loras[adapter]] * len(sequences) if adapter else None
+        outputs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, lora_request=lora,
+                                    use_tqdm=False)
+        return [[step[token].logprob for step, token in zip(out.prompt_logprobs[1:], seq[1:])]
+                for seq, out in zip(sequences, outputs)]
 
     def reset_prefix_cache(self) -> None:
         """Forget cached prompt blocks: their keys and values were computed with the old weights."""
@@ -428,6 +451,11 @@ class VLLMRollout:
     def __init__(self, policies, model_name: str, *, dtype: str, seed: int, settings: EngineSettings):
         self.policies = policies
         self.sleep_mode = settings.sleep_mode
+        self.settings = settings
+        self.syncs = 0
+        self.sync_metrics: dict[str, float] = {}
+        if settings.sleep_mode:
+            refuse_expandable_segments()
         staging = Path(tempfile.mkdtemp(prefix="srpo-engine-src-"))
         try:
             if policies.layout == "lora":
@@ -463,11 +491,19 @@ class VLLMRollout:
             engine.sleep(level)
 
     def update_weights(self) -> None:
-        """Push the current weights (or adapters) into the engine(s); call after optimizer steps
-        (an engine put to sleep by :meth:`release` wakes first)."""
+        """Push the current weights (or adapters) into the engine(s); call after optimizer steps.
+
+        An engine put to sleep by :meth:`release` wakes in two stages around the sync (weights,
+        sync, KV cache), after the caching allocator has returned what the update freed.  After
+        every wake and every ``check_every`` syncs the engine is probed against the trainer
+        (:meth:`check_sync`; its figures in :attr:`sync_metrics`), raising
+        :class:`~srpo.rollout.engine.EngineOutOfSync` beyond ``max_sync_gap``."""
         policies = self.policies
+        woke = any(engine.asleep for engine in self.engines.values())
+        if woke:
+            release_cached_gpu_memory()
         for engine in self.engines.values():
-            engine.wake()
+            engine.wake(("weights",))
         if policies.layout == "lora":
             engine = self.engines["base"]
             for pid in policies.policy_ids:
@@ -475,6 +511,40 @@ class VLLMRollout:
         else:
             for pid, engine in self.engines.items():
                 engine.sync(policies.model_for(pid))
+        for engine in self.engines.values():
+            engine.wake(("kv_cache",))
+        self.syncs += 1
+        every = self.settings.check_every
+        self.sync_metrics = {}
+        if woke or (every and (self.syncs - 1) % every == 0):  # the first sync (dummy → real) is checked too
+            self.check_sync(after="a wake" if woke else f"sync {self.syncs}")
+
+    def check_sync(self, after: str) -> dict[str, float]:
+        """Teacher-forced log-probs of fixed probe sequences from each engine against the trainer's
+        (one small batch per policy; under FSDP a collective, at the same syncs on every rank).
+        Sets :attr:`sync_metrics` (``rollout/sync_gap``: the mean |Δ log p| per probe token, the
+        largest over policies; ``rollout/sync_gap_max``) and raises
+        :class:`~srpo.rollout.engine.EngineOutOfSync` above ``max_sync_gap``."""
+        from srpo.rollout.engine import EngineOutOfSync
+
+        sequences = probe_sequences(self.policies.tokenizer)
+        mean_gap = max_gap = 0.0
+        for pid in self.policies.policy_ids:
+            if self.policies.layout == "lora":
+                engine_lp = self.engines["base"].teacher_forced_logprobs(sequences, adapter=pid)
+            else:
+                engine_lp = self.engines[pid].teacher_forced_logprobs(sequences)
+            trainer_lp = trainer_probe_logprobs(self.policies, pid, sequences)
+            gaps = torch.cat([(torch.tensor(e) - t).abs() for e, t in zip(engine_lp, trainer_lp)])
+            mean_gap, max_gap = max(mean_gap, float(gaps.mean())), max(max_gap, float(gaps.max()))
+        self.sync_metrics = {"rollout/sync_gap": mean_gap, "rollout/sync_gap_max": max_gap}
+        if not mean_gap <= self.settings.max_sync_gap:
+            raise EngineOutOfSync(
+                f"rollout: after {after} the engine's log-probs of {len(sequences)} probe sequences differ from the "
+                f"trainer's by {mean_gap:.3g} per token on average (largest {max_gap:.3g}), above rollout.max_sync_gap "
+                f"{self.settings.max_sync_gap:g}: the engine did not take the weights (a sync or wake defect), so "
+                f"training stops before sampling from it")
+        return self.sync_metrics
 
     def _save_adapter(self, policy_id: str, folder: Path) -> None:
         """One policy's LoRA adapter alone in ``folder`` (PEFT puts a non-default one in a sub-folder;
@@ -494,6 +564,59 @@ class VLLMRollout:
         for engine in self.engines.values():
             engine.close()
         self.engines = {}
+
+
+#: Fixed texts whose tokens the engine and the trainer score after a sync (:meth:`VLLMRollout.check_sync`):
+#: prose, arithmetic and code, so that a layer the sync missed shows on ordinary tokens.
+PROBE_TEXTS = (
+    "The river runs past the old mill, under two stone bridges, and into the lake by the town square.",
+    "Question: what is 17 + 25? Answer: 17 + 25 = 42, so the final answer is \\boxed{42}.",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))  # prints 5",
+)
+
+
+def probe_sequences(tokenizer, max_tokens: int = 48) -> list[list[int]]:
+    """The probe texts as token ids (at most ``max_tokens`` each)."""
+    out = [tokenizer(t, add_special_tokens=False)["input_ids"][:max_tokens] for t in PROBE_TEXTS]
+    return [ids for ids in out if len(ids) >= 4]
+
+
+def trainer_probe_logprobs(policies, policy_id: str, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """(len − 1,) teacher-forced log-probs of each sequence's tokens after the first, at
+    temperature 1, under ``policy_id`` (no gradient; under FSDP through the sharded root)."""
+    device = next(iter(policies.parameters(policy_id))).device
+    out = []
+    with torch.no_grad():
+        for seq in sequences:
+            ids = torch.tensor([seq], device=device)
+            lp = policies.logprobs(policy_id, ids, torch.ones_like(ids), 1,
+                                   action_mask=torch.ones(1, len(seq) - 1, device=device), temperature=1.0)
+            out.append(lp[0].float().cpu())
+    return out
+
+
+def release_cached_gpu_memory() -> None:
+    """Give the caching allocator's free blocks back to the device before the engine wakes: what
+    the update freed stays reserved by PyTorch otherwise, and the engine's wake (weights and KV
+    cache) would find the memory taken."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def refuse_expandable_segments(env=None) -> None:
+    """vLLM's sleep mode allocates through its own CUDA memory pool, which PyTorch's
+    ``expandable_segments`` allocator breaks (wake fails or memory is not returned)."""
+    from srpo.config import ConfigError
+
+    env = os.environ if env is None else env
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        if "expandable_segments:true" in env.get(name, "").replace(" ", "").lower():
+            raise ConfigError(f"rollout.sleep_during_update with {name}={env[name]}: vLLM's sleep mode does not work "
+                              f"with PyTorch's expandable_segments allocator; remove expandable_segments:True from "
+                              f"{name}, or set rollout.sleep_during_update: false")
 
 
 def _save_for_engine(model, tokenizer, folder: Path) -> None:

@@ -45,6 +45,7 @@ from srpo.events import validate_events
 from srpo.fileio import write_text_atomic
 from srpo.methods import assign_advantages
 from srpo.policies.layouts import PolicySet
+from srpo.rollout.engine import EngineOutOfSync
 from srpo.run_dir import RunDirError, RunLock
 from srpo.train import state
 from srpo.train.diagnostics import RolloutMismatch, episode_metrics, episode_record
@@ -242,17 +243,35 @@ class Trainer:
         metrics.update({"time/rollout_s": t_rollout, "time/update_s": t_update,
                         "time/step_s": time.perf_counter() - t0,
                         "lr": self.schedulers[self.policies.policy_ids[0]].get_last_lr()[0]})
-        self.engine.update_weights()  # the next rollout samples from the updated weights
+        out_of_sync = self.sync_engine()  # the next rollout samples from the updated weights
+        metrics.update(getattr(self.engine, "sync_metrics", {}))
         with warnings.catch_warnings():  # a skipped (NaN) step still advances the schedule, on purpose
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
             for sched in self.schedulers.values():
                 sched.step()
         self.step += 1
-        if self.eval_due():
+        if self.eval_due() and out_of_sync is None:
             metrics.update(self.evaluate_heldout())
         self.logger.log(self.step, metrics)
         self.logger.samples(self.step, [episode_record(ep) for ep in episodes[: self.cfg.log.sample_episodes]])
+        if out_of_sync is not None:  # the trainer's weights are sound: keep them, then stop
+            where = self.save()
+            raise TrainingStopped(f"{out_of_sync} (after step {self.step}; the trainer's weights are in {where}, and "
+                                  f"--resume starts a fresh engine on them)")
         return metrics
+
+    def sync_engine(self) -> str | None:
+        """Push the update into the rollout engine; what went wrong if the engine's probe after the
+        sync disagreed with the trainer on any rank (every rank learns it, so all stop together)."""
+        try:
+            self.engine.update_weights()
+            problem = None
+        except EngineOutOfSync as err:
+            problem = str(err)
+        if getattr(self.engine, "sync_metrics", None):  # probed this sync: on every rank alike
+            if self.backend.sum_int(int(problem is not None)) and problem is None:
+                problem = "rollout: another rank's engine disagreed with its trainer after the sync"
+        return problem
 
     # -- 6. held-out evaluation ----------------------------------------------------------------------
     def eval_due(self) -> bool:
