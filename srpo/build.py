@@ -130,8 +130,17 @@ def policies(cfg: Config, roles: list[str]):
     if cfg.model.init_from:  # a warm start (srpo sft), same layout
         built.load_pretrained_weights(Path(cfg.model.init_from))
     for module in built.modules():
-        module.to(device(cfg))
+        module.to(load_device(cfg))
     return built
+
+
+def load_device(cfg: Config):
+    """Where the policies (and a KL reference copied from them) are built: the CPU under FSDP —
+    ``fully_shard`` then moves each unit's shard to the GPU as it shards it, so no GPU ever holds
+    the whole model (an 8B model in float32 is ~33 GB more than one shard) — else ``run.device``."""
+    import torch
+
+    return torch.device("cpu") if cfg.train.parallel == "fsdp" else device(cfg)
 
 
 def device(cfg: Config):

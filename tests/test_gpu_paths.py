@@ -404,3 +404,15 @@ def test_a_silent_rank_is_named_before_the_nccl_watchdog_could_abort(capsys):
     assert backend.report_silent_peers(1002.0) == []
     backend._store["srpo/heartbeat/2"] = "1001"
     assert backend.report_silent_peers(1040.0) == [1, 2], "silent again: named again"
+
+
+def test_fsdp_models_are_built_on_the_cpu_and_sharded_onto_the_gpu():
+    """The full model used to be moved to the GPU before it was sharded (an 8B fp32 model: ~33 GB
+    above one shard), its KL reference copied there too.  Under FSDP they are built on the CPU;
+    fully_shard moves each unit's shard to the mesh's device as it shards it."""
+    from srpo import build
+
+    fsdp = parse_config({"run": {"device": "cuda"}, "train": {"parallel": "fsdp"}})
+    ddp = parse_config({"run": {"device": "cuda"}})
+    assert build.load_device(fsdp) == torch.device("cpu")
+    assert build.load_device(ddp) == torch.device("cuda", 0)
