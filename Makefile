@@ -6,7 +6,7 @@ STAMP       := $(VENV)/.installed
 TORCH       := torch==2.13.0
 CONSTRAINTS := constraints.txt
 
-.PHONY: test demo setup clean lock wheel-check test-vllm gpu-check
+.PHONY: test demo setup clean lock wheel-check test-vllm gpu-check gpu-bundle
 
 setup: $(STAMP)
 
@@ -65,9 +65,34 @@ $(VLLM_STAMP): pyproject.toml
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py
 
-# On a CUDA machine with vllm installed (pip install -e '.[vllm]'): the whole scale path in < 10 min.
+# On a CUDA machine (vLLM too where installed, pip install -e '.[vllm]'): the whole scale path in
+# minutes.  A machine whose Python lacks srpo's own pure-Python needs (pydantic ...) and cannot
+# download — the GPU machine lent to this project — gets them from the wheels `make gpu-bundle`
+# put in .whl/ (installed offline into /tmp/srpo-site, nothing else touched).
+GPU_SITE := /tmp/srpo-site
 gpu-check:
-	python scripts/gpu_check.py
+	@if ! python3 -c "import pydantic" 2>/dev/null; then \
+	  if ls .whl/*.whl >/dev/null 2>&1; then \
+	    echo "gpu-check: installing the bundled wheels (.whl/) into $(GPU_SITE)"; \
+	    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+	      --target $(GPU_SITE) .whl/*.whl || exit 1; \
+	  else echo "gpu-check: pydantic is missing and there is no .whl/ bundle (make gpu-bundle where pip works)"; exit 2; fi; \
+	fi; \
+	PYTHONPATH=$(GPU_SITE):$$PYTHONPATH python3 scripts/gpu_check.py $(GPU_CHECK_ARGS)
+
+# The wheels gpu-check needs on a machine that has torch, transformers, peft and accelerate but
+# not srpo's other pure-Python dependencies: pydantic (with its compiled core, for that machine's
+# Python, GPU_PY) and math-verify, at the versions of constraints.txt.  A few MiB: it travels
+# with the working tree (name .whl in the device tool's carry).
+GPU_PY     ?= 3.12
+GPU_WHEELS := pydantic pydantic-core annotated-types typing-inspection math-verify latex2sympy2_extended \
+              antlr4-python3-runtime
+gpu-bundle: $(STAMP)
+	rm -rf .whl && mkdir -p .whl
+	$(BIN)/pip download -q --no-deps --only-binary=:all: -c $(CONSTRAINTS) --python-version $(GPU_PY) \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
+	@du -sh .whl
 
 # The wheel installs and runs outside the checkout, in a clean virtualenv (CI runs this too).
 wheel-check: $(STAMP)

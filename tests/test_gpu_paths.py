@@ -295,7 +295,7 @@ def test_gpu_check_runs_reduced_on_cpu_and_cannot_say_ok_when_wrong(tmp_path):
     script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     base = [sys.executable, str(script), "--device", "cpu", "--model", "tiny-llama", "--steps", "2"]
-    done = subprocess.run([*base, "--only", "sampler · shared,sampler · lora,fsdp,vllm,staleness",
+    done = subprocess.run([*base, "--only", "sampler · shared,sampler · lora,fsdp,vllm,staleness,dcp,memory",
                            "--out", str(tmp_path / "r.json")], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads((tmp_path / "r.json").read_text())
@@ -306,6 +306,8 @@ def test_gpu_check_runs_reduced_on_cpu_and_cannot_say_ok_when_wrong(tmp_path):
     assert verdicts["fsdp · lora · all devices"] == verdicts["fsdp · kl reference · all devices"] == "ok"
     assert verdicts["staleness · fsdp · built-in sampler"] == "SKIPPED" and report["floor_gib_full_model"] > 0
     assert all(v == "SKIPPED" for c, v in verdicts.items() if c.startswith("vllm"))  # no vLLM in this environment
+    assert verdicts["gloo · one rank · dcp save and load"] == verdicts["fsdp · bf16 · temperature 0.7"] == "ok"
+    assert verdicts["memory · qwen3-4b shape · load, update, wake"] == "SKIPPED"  # GPU memory: CUDA only
     sabotaged = subprocess.run([*base, "--only", "sampler · shared · fp32", "--out", str(tmp_path / "s.json")],
                                env={**env, "SRPO_GPU_CHECK_SABOTAGE": "resume"}, capture_output=True, text=True,
                                timeout=900)
@@ -327,7 +329,8 @@ def test_sleep_mode_releases_the_engines_before_the_update_and_wakes_them_before
     from srpo.rollout.vllm import VLLMEngine, VLLMRollout
 
     calls = []
-    llm = SimpleNamespace(sleep=lambda level: calls.append(("sleep", level)), wake_up=lambda: calls.append("wake"))
+    llm = SimpleNamespace(sleep=lambda level: calls.append(("sleep", level)),
+                          wake_up=lambda tags: calls.append("wake:" + "+".join(tags)))
     engine = VLLMEngine.__new__(VLLMEngine)
     engine.llm, engine.asleep = llm, 0
     engine.sync = lambda state: calls.append("sync")
@@ -336,12 +339,15 @@ def test_sleep_mode_releases_the_engines_before_the_update_and_wakes_them_before
         calls.clear()
         rollout = VLLMRollout.__new__(VLLMRollout)
         rollout.sleep_mode, rollout.engines = True, {name: engine}
+        rollout.settings, rollout.syncs = SimpleNamespace(check_every=0), 0
+        rollout.check_sync = lambda after: calls.append(f"check after {after}")
         rollout.policies = SimpleNamespace(layout=layout, policy_ids=["p"],
                                            model_for=lambda pid: SimpleNamespace(state_dict=lambda: {}))
         rollout.release()
         rollout.release()  # already asleep: once
         rollout.update_weights()
-        assert calls == [("sleep", level), "wake", "sync"] and engine.asleep == 0
+        assert calls == [("sleep", level), "wake:weights", "sync", "wake:kv_cache", "check after a wake"]
+        assert engine.asleep == 0
     with pytest.raises(ConfigError, match="sleep mode needs rollout.engine: vllm on a CUDA"):
         config_from_dict({"model": {"name": "tiny-llama"}, "rollout": {"sleep_during_update": True},
                           "task": {"kind": "math", "train": {"source": "synthetic_arithmetic"}}})
