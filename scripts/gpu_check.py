@@ -56,6 +56,13 @@ TOL = {"fp32": 2e-3, "bf16": 0.15}
 RESUME_ATOL = 1e-5
 
 
+def child_env(**extra: str) -> dict:
+    """The environment of a child process: srpo's root first on PYTHONPATH, the rest kept (on the
+    lent GPU machine the bundled wheels live on PYTHONPATH too: replacing it loses them)."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 class CheckFailed(AssertionError):
     """A comparison against the reference did not hold."""
 
@@ -202,7 +209,7 @@ def parallel_check(args, tmp: Path, parallel: str, extra: tuple[str, ...] = (), 
     n = torch.cuda.device_count() if args.device != "cpu" else args.cpu_ranks
     parallel_tag = f"{parallel}{tag}"
     plain, multi = tmp / f"{parallel_tag}-plain.pt", tmp / f"{parallel_tag}-{n}.pt"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = child_env(OMP_NUM_THREADS="1")
     worker = [str(Path(__file__).resolve()), "--worker", "--device", args.device, "--model", args.model,
               *[x for o in extra for x in ("--worker-set", o)]]
     done = subprocess.run([sys.executable, *worker, "--worker-out", str(plain), "--worker-parallel", "ddp",
@@ -260,7 +267,7 @@ def run_worker(args, tmp: Path, kind: str, *extra: str) -> dict:
     """A worker of ``kind`` in a process of its own (its own process group and CUDA caching
     allocator); its JSON result."""
     out = tmp / f"{kind}.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    env = child_env()
     done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", "--worker-kind", kind,
                            "--device", args.device, "--model", args.model, "--worker-out", str(out),
                            "--worker-run", str(tmp / f"{kind}-run"), *extra], env=env, capture_output=True, text=True,
@@ -478,7 +485,7 @@ def vllm_torchrun_check(args, tmp: Path, gpus: int, parallel: str = "ddp") -> di
                       "train.tis_cap=2", "run.device=cuda", f"train.parallel={parallel}")]
     probe = ("import torch,sys; sys.stdout.write(' '.join(str(torch.cuda.mem_get_info(i)[1] - "
              "torch.cuda.mem_get_info(i)[0]) for i in range(torch.cuda.device_count())))")
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, env=child_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     used = []
     for _ in range(120):  # sample every GPU's used memory while the run holds its engines
