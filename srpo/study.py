@@ -37,6 +37,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import logging
 import math
 import shutil
 import time
@@ -55,6 +56,9 @@ from srpo.fileio import write_text_atomic
 from srpo.metrics_log import read_metrics
 from srpo.run_dir import owned, refuse_links
 from srpo.stats import mean_se
+from srpo.tasks.splits import MIN_HELDOUT_PROBLEMS, distinct_problems
+
+log = logging.getLogger(__name__)
 
 
 class AxisEntry(Section):
@@ -448,6 +452,12 @@ def run_study(path: str | Path, progress: bool = True, only: int | None = None,
     refuse_links(root, STUDY_FILES)  # srpo writes only real files of its own in a study folder
     write_text_atomic(root / "study.yaml", Path(path).read_text())
     index, count = shard
+    sizes = heldout_sizes(spec)
+    small = {name: n for name, n in sizes.items() if n < MIN_HELDOUT_PROBLEMS}
+    if small and index == 1:
+        log.warning("held-out set(s) with fewer than %d distinct problems: %s — the evaluation's own noise will "
+                    "be a large share of the seed-to-seed spread (scripts/plan_seeds.py reports it)",
+                    MIN_HELDOUT_PROBLEMS, ", ".join(f"{k} ({v})" for k, v in small.items()))
     todo = cells(spec)
     if index == 1:  # the untrained starting points: one shard evaluates them
         if spec.get("eval_untrained"):
@@ -671,10 +681,24 @@ def _nan_to_none(obj: Any) -> Any:
 STUDY_FILES = ("study.yaml", "results.md", "results.json", "results.png", "mechanism.png")
 
 
+def heldout_sizes(spec: dict) -> dict[str, int]:
+    """Distinct problems (canonical: a + b and b + a are one) in each held-out set of the study."""
+    from srpo.data import load_tasks, source_name
+
+    kind = (spec.get("base_config") or {}).get("task", {}).get("kind", "math")
+    out = {}
+    for src in spec["eval_sources"]:
+        try:
+            out[source_name(src)] = distinct_problems(load_tasks(src, kind, held_out=True))
+        except Exception:  # noqa: BLE001 - a set that fails to load fails in its cell, with its message
+            continue
+    return out
+
+
 def write_results(root: Path, records: list[dict], spec: dict) -> None:
     k = spec["eval"].get("k", 4)
     text, table = summarize(records, k)
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"heldout_distinct_problems": heldout_sizes(spec)}
     comps = comparisons(records, spec)
     if comps:
         extra["comparisons"] = comps

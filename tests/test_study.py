@@ -184,10 +184,13 @@ def test_seed_planning_script_runs_reduced_on_cpu(tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.main(["--device", "cpu", "--model", "tiny-llama", "--steps", "1", "--seeds", "2", "--tasks", "2",
-                        "--episodes", "2", "--max-new-tokens", "4", "--out", str(tmp_path / "plan")]) == 0
+                        "--episodes", "2", "--max-new-tokens", "4", "--eval-n", "12", "--out", str(tmp_path / "plan")]) == 0
     report = json.loads((tmp_path / "plan" / "plan.json").read_text())
     assert {r["cell"] for r in report["comparisons"]} == {"srpo", "srpo_sum"}
     assert all(r["seeds"] == 2 and r["sd_paired"] >= 0 for r in report["comparisons"])
+    assert report["heldout"]["items"] == 12 and report["heldout"]["distinct_problems"] == {"arith-L2-test": 11}
+    assert all(r["evaluation_share_of_variance"] is None or 0 <= r["evaluation_share_of_variance"] <= 1
+               for r in report["comparisons"])
     cells = list((tmp_path / "plan").glob("*/seed*/cell.json"))
     assert len(cells) == 6 and all(json.loads(c.read_text())["environment"]["eval_seed"] >= 1000 for c in cells)
 

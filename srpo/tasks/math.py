@@ -256,5 +256,6 @@ def synthetic_arithmetic(n: int, *, level: int = 2, seed: int = 0, prefix: str =
             problem = _draw(rng, level)
             if in_split(problem[0], split):  # rejection keeps each part's draws uniform over it
                 problems.append(problem)
-    return [Task(f"{prefix}-L{level}{tag}-s{seed}-{i}", q, (str(ans),), "math", f"{prefix}-L{level}")
-            for i, (_, q, ans) in enumerate(problems)]
+    # meta["key"]: the canonical problem (3 + 4 and 4 + 3 are one), what a test part's size counts.
+    return [Task(f"{prefix}-L{level}{tag}-s{seed}-{i}", q, (str(ans),), "math", f"{prefix}-L{level}", {"key": key})
+            for i, (key, q, ans) in enumerate(problems)]

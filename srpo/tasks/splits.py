@@ -41,3 +41,15 @@ def resolve_split(split: str | None, *, held_out: bool) -> str:
     """The part a synthetic source draws from: its own ``split``, else ``test`` for a held-out set
     and ``train`` for the training set."""
     return split or ("test" if held_out else "train")
+
+
+#: Held-out sets of team studies should hold at least this many distinct problems: below it the
+#: evaluation's own noise is a large share of the seed-to-seed spread (docs/results.md, (h): 24
+#: problems, 13 commuted pairs, gave an evaluation SD of ~0.08–0.09 on a paired difference).
+MIN_HELDOUT_PROBLEMS = 200
+
+
+def distinct_problems(tasks) -> int:
+    """How many different problems ``tasks`` hold: canonical keys where a generator recorded them
+    (``a + b`` and ``b + a`` are one), else distinct question texts."""
+    return len({t.meta.get("key") or t.question for t in tasks})
