@@ -439,6 +439,38 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(result: dict, path: Path) -> None:
+    """One panel per (policy, reward): each method's primary metric (mean ± SE over seeds) by K."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    decl = result["declaration"]
+    cell = {(c["method"], c["k"], c["reward"], c["policy"]): c for c in result["cells"]}
+    fig, axes = plt.subplots(len(decl["policies"]), len(REWARDS), figsize=(11, 4 * len(decl["policies"])),
+                             squeeze=False)
+    for row, policy in enumerate(decl["policies"]):
+        for col, reward in enumerate(REWARDS):
+            ax = axes[row][col]
+            for method in decl["methods"]:
+                ks = [k for k in decl["k"] if (method, k, reward, policy) in cell]
+                ys = [cell[(method, k, reward, policy)]["primary"] for k in ks]
+                es = [cell[(method, k, reward, policy)]["se"] or 0 for k in ks]
+                ax.errorbar(ks, ys, yerr=es, marker="o", capsize=3, label=method)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(decl["k"], [str(k) for k in decl["k"]])
+            ax.set_title(f"{policy} policy, {reward} reward")
+            ax.set_xlabel("K (members of the joint action)")
+            ax.set_ylabel(f"mean expected success, updates 1–{decl['game']['updates']}")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("Coordination game (study l): mean ± SE over paired seeds, learning rate tuned per cell")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("command", choices=["run", "report", "time"])
@@ -465,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     (dest / "results.json").write_text(json.dumps(result, indent=1))
     text = markdown(result)
     (dest / "results.md").write_text(text)
+    plot(result, dest / "results.png")
     print(text)
     return 0
 

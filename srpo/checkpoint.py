@@ -156,7 +156,12 @@ def save_checkpoint(run_dir: Path, step: int, policies, tensor_state: dict[str, 
         (tmp / STATE_JSON).write_text(json.dumps(json_state))
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=1, default=str))
         files = {}
+        file_mode = _default_mode() & 0o666
         for p in _files(tmp):
+            # safetensors (and mkstemp-based writers) create 0600 files whatever the umask: a
+            # teammate could not read the run's weights.  Every file follows the umask, as
+            # files written with open() do.
+            os.chmod(p, file_mode)
             _fsync(p)
             files[p.relative_to(tmp).as_posix()] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
         write_text_atomic(tmp / MANIFEST, json.dumps({"format": FORMAT, "step": step, "files": files}, indent=1))

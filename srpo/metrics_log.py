@@ -113,7 +113,9 @@ def read_jsonl_rows(path: Path) -> list[dict]:
             if not raw.strip():
                 continue
             try:
-                row = json.loads(raw.decode("utf-8"))
+                # utf-8-sig: an editor's byte-order mark on the first line is not a bad row (and
+                # json accepts CRLF's \r as whitespace).
+                row = json.loads(raw.decode("utf-8-sig" if no == 1 else "utf-8"))
             except (UnicodeDecodeError, ValueError):
                 bad.append(no)
                 continue

@@ -152,11 +152,26 @@ def load_study(path: str | Path, check_cells: bool = True) -> dict:
     for axis, entries in typed.axes.items():
         if not entries:
             raise ConfigError(f"{p}: axes.{axis} must be a non-empty list of {{label, set}}")
+    repeated = sorted({s for s in typed.seeds if typed.seeds.count(s) > 1})
+    if repeated:
+        raise ConfigError(f"{p}: seeds lists {', '.join(map(str, repeated))} more than once; a seed twice would be one "
+                          f"run counted as two paired seeds in every comparison")
+    for axis, entries in typed.axes.items():
+        labels = [e.label for e in entries]
+        twice = sorted({label for label in labels if labels.count(label) > 1})
+        if twice:
+            raise ConfigError(f"{p}: axes.{axis} has the label {twice[0]!r} more than once; two entries of one "
+                              f"label make the same cell twice (its runs would count twice in the statistics)")
     spec = typed.model_dump(exclude_unset=True)  # as written: the recipe finished cells recorded
     spec["base"] = str((p.parent / typed.base).resolve())
     spec["folder"] = str(p.parent.resolve())  # a program's file path in the overrides is relative to it
     spec["base_config"] = read_yaml(spec["base"])  # read once: every cell starts from it and records it
     spec["eval_sources"] = [_resolve(src, p.parent) for src in typed.eval.datasets]
+    made = [(c["label"], c["seed"]) for c in cells(spec)]
+    doubled = sorted({m for m in made if made.count(m) > 1})
+    if doubled:
+        raise ConfigError(f"{p}: the grid makes cell {doubled[0][0]!r} (seed {doubled[0][1]}) more than once "
+                          f"(labels joined across axes coincide); rename an entry")
     if typed.primary is not None:
         labels = {c["label"] for c in cells(spec)}
         for name in [typed.primary.baseline, *typed.primary.cells]:

@@ -3,6 +3,7 @@ and dead services cost nothing, user code and the retrieval server fail clearly.
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -414,3 +415,63 @@ def test_a_run_folder_from_before_ownership_records_is_adopted_only_where_srpo_w
     assert "checkpoints" in owned(run)
     trained(run, ["run.steps=1"], overwrite=True)  # the old demo folder case: --overwrite replaces it
     assert steps_logged(run) == [1]
+
+
+# ---------------------------------------------------------------- Reliability IV (issue: silently wrong)
+
+def test_a_study_grid_that_makes_a_cell_twice_is_refused_before_any_cell_runs(tmp_path):
+    from srpo.config import ConfigError
+    from srpo.study import load_study
+
+    base = tmp_path / "base.yaml"
+    base.write_text("run: {steps: 1}\nmodel: {name: tiny-llama}\n")
+    body = (f"output_dir: {tmp_path / 'out'}\nbase: base.yaml\neval: {{k: 2, datasets: []}}\n")
+    cases = [("seeds: [0, 0]\naxes: {m: [{label: a}]}\n", "seeds lists 0 more than once"),
+             ("seeds: [0]\naxes: {m: [{label: a}, {label: a, set: {train.lr: 0.1}}]}\n", "label 'a' more than once"),
+             ("seeds: [0]\naxes: {x: [{label: a-b}, {label: a}], y: [{label: c}, {label: b-c}]}\n",
+              "makes cell 'a-b-c' (seed 0) more than once")]
+    for text, message in cases:
+        study = tmp_path / "study.yaml"
+        study.write_text(body + text)
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_study(study)
+
+
+def test_metrics_saved_by_an_editor_with_a_bom_and_crlf_lose_no_row(tmp_path):
+    from srpo.metrics_log import read_metrics
+
+    rows = [{"step": 1, "reward": 0.5}, {"step": 2, "reward": 0.25}]
+    text = "\r\n".join(json.dumps(r) for r in rows) + "\r\n"
+    (tmp_path / "metrics.jsonl").write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert read_metrics(tmp_path) == rows
+
+
+@pytest.mark.parametrize("gold", ["NaN", "Infinity", "-inf", "1e400"])
+def test_non_finite_gold_answers_are_refused_naming_file_and_line(tmp_path, gold):
+    from srpo.tasks.base import DatasetError
+    from srpo.tasks.math import load_math
+
+    f = tmp_path / "m.jsonl"
+    f.write_text(json.dumps({"problem": "1 + 1?", "answer": "2"}) + "\n" + json.dumps({"problem": "x?", "answer": gold}) + "\n")
+    with pytest.raises(DatasetError, match=re.escape(f"{f}, line 2: field 'answer' is not a finite number")):
+        load_math(f)
+    tasks, report = load_math(f, skip_bad_rows=True)
+    assert [t.answers for t in tasks] == [("2",)] and report.skipped == 1
+
+
+def test_checkpoint_files_follow_the_umask(tmp_path):
+    """safetensors writes 0600 files whatever the umask: a teammate could not read the weights."""
+    import os
+    import stat
+
+    from test_reliability_runs import trained
+
+    old = os.umask(0o022)
+    try:
+        trained(tmp_path, ["run.steps=1"])
+    finally:
+        os.umask(old)
+    files = [p for p in (tmp_path / "checkpoints").rglob("*") if p.is_file()]
+    assert any(p.suffix == ".safetensors" for p in files)
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o644 for p in files), \
+        {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in files if stat.S_IMODE(p.stat().st_mode) != 0o644}

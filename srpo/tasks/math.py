@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import random
 import re
 from fractions import Fraction
@@ -147,9 +148,24 @@ def load_gsm8k(path: str | Path, *, skip_bad_rows: bool = False, limit: int | No
     def make(line_no: int, row: dict) -> Task:
         _, question = require_text(row, "question")
         _, solution = require_text(row, "answer")
-        return Task(f"{name}-{line_no}", question, (gsm8k_gold(solution),), "math", name)
+        return Task(f"{name}-{line_no}", question, (check_finite_gold(gsm8k_gold(solution)),), "math", name)
 
     return load_jsonl_rows(path, make, skip_bad_rows=skip_bad_rows, limit=limit, rows=rows)
+
+
+def check_finite_gold(answer: str) -> str:
+    """A gold answer that reads as a number must be a finite one: ``NaN``, ``Infinity`` or
+    ``1e400`` (inf as a float) would grade every model answer wrong — or, compared as floats,
+    inconsistently.  Raises ValueError naming the value (the loader adds file and line)."""
+    text = answer.strip().lower().lstrip("+-")
+    if text in ("nan", "inf", "infinity") or re.fullmatch(r"\d+(?:\.\d*)?e[+-]?\d+", text):
+        try:
+            finite = math.isfinite(float(answer))
+        except ValueError:
+            finite = False
+        if not finite:
+            raise ValueError(f"field 'answer' is not a finite number ({answer.strip()!r})")
+    return answer
 
 
 def load_math(path: str | Path, *, skip_bad_rows: bool = False, limit: int | None = None, rows=None):
@@ -159,6 +175,7 @@ def load_math(path: str | Path, *, skip_bad_rows: bool = False, limit: int | Non
     def make(line_no: int, row: dict) -> Task:
         _, problem = require_text(row, "problem", "question")
         _, answer = require_text(row, "answer")
+        check_finite_gold(answer)
         meta = {k: row[k] for k in ("level", "subject", "unique_id") if k in row}
         return Task(str(row.get("unique_id", f"{name}-{line_no}")), problem, (answer,), "math", name, meta)
 
