@@ -176,6 +176,10 @@ class DataSource(Section):
     """Where our fields are in a dataset's rows: a column (``{question: problem}``) or a path into
     nested columns — ``.`` for a key, ``[i]`` for a list item, negative from the end — e.g. DAPO-
     Math-17k's ``{question: "prompt[-1].content", answer: reward_model.ground_truth}``."""
+    duplicate_ids: Literal["rename", "refuse"] = "rename"
+    """Two different questions under one id (``unique_id``, ``id`` — common when files are
+    concatenated) would share one advantage group: ``rename`` gives the later one its own id
+    (``<id>#<line>``) with a warning naming file and lines; ``refuse`` stops at load."""
     config: str = ""
     """Hub datasets: the dataset's configuration (``datasets.load_dataset(id, config)``), e.g.
     ``distractor`` for hotpotqa/hotpot_qa ('' : the dataset has one)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 from pathlib import Path
@@ -13,6 +14,8 @@ from srpo.tasks.kinds import TASK_KINDS, synthetic_source
 from srpo.tasks.kinds import task_kind as get_kind
 from srpo.tasks.search import BM25Retriever, Passage, load_corpus, synthetic_kb
 from srpo.tasks.splits import resolve_split
+
+log = logging.getLogger(__name__)
 
 
 def epoch_order(num_tasks: int, seed: int, epoch: int) -> list[int]:
@@ -147,10 +150,34 @@ def load_tasks(src: DataSource, kind: str, *, held_out: bool) -> list[Task]:
         except ValueError as err:
             raise DatasetError(f"{src.source}: {err}") from None
     tasks, _ = task_kind.load_file(src.source, skip_bad_rows=src.skip_bad_rows, limit=src.n or None, rows=rows)
+    tasks = unique_ids(tasks, src)
     name = source_name(src)
     if task_kind.check_fits is not None:
         task_kind.check_fits(tasks, src.source)
     return [Task(t.task_id, t.question, t.answers, t.kind, name, t.meta) for t in tasks]
+
+
+def unique_ids(tasks: list[Task], src: DataSource) -> list[Task]:
+    """Tasks whose ids name one question each (``src.duplicate_ids``).  An id is what groups a
+    question's episodes for its advantages: two questions under one id would be compared with
+    each other.  Rows repeating the same question under its id are left alone (one question)."""
+    first: dict[str, Task] = {}
+    out = []
+    for t in tasks:
+        seen = first.setdefault(t.task_id, t)
+        if seen is t or seen.question == t.question:
+            out.append(t)
+            continue
+        where = f"lines {seen.meta.get('line', '?')} and {t.meta.get('line', '?')}"
+        if src.duplicate_ids == "refuse":
+            raise DatasetError(f"{src.source}: id {t.task_id!r} names two different questions ({where}); make the ids "
+                               f"unique, or set duplicate_ids: rename on this data source")
+        new_id = f"{t.task_id}#{t.meta.get('line', len(out) + 1)}"
+        log.warning("%s: id %r names two different questions (%s): the later one is now %r (duplicate_ids: refuse "
+                    "stops instead)", src.source, t.task_id, where, new_id)
+        out.append(Task(new_id, t.question, t.answers, t.kind, t.source, t.meta))
+        first.setdefault(new_id, out[-1])
+    return out
 
 
 def guess_kind(src: DataSource) -> str | None:

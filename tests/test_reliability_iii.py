@@ -475,3 +475,25 @@ def test_checkpoint_files_follow_the_umask(tmp_path):
     assert any(p.suffix == ".safetensors" for p in files)
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o644 for p in files), \
         {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in files if stat.S_IMODE(p.stat().st_mode) != 0o644}
+
+
+def test_two_questions_under_one_id_get_their_own_groups_or_are_refused(tmp_path, caplog):
+    """Concatenated MATH-style files repeat unique_ids: two different problems under one id were put
+    in one advantage group.  Renamed with a warning naming file and lines (or refused)."""
+    from srpo.config import DataSource
+    from srpo.data import load_tasks
+    from srpo.tasks.base import DatasetError
+
+    f = tmp_path / "math.jsonl"
+    rows = [{"problem": "1 + 1?", "answer": "2", "unique_id": "test/a/1.json"},
+            {"problem": "2 + 2?", "answer": "4", "unique_id": "test/a/2.json"},
+            {"problem": "3 + 3?", "answer": "6", "unique_id": "test/a/1.json"},  # another problem, same id
+            {"problem": "1 + 1?", "answer": "2", "unique_id": "test/a/1.json"}]  # the same problem again
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with caplog.at_level("WARNING"):
+        tasks = load_tasks(DataSource(source=str(f), n=0), "math", held_out=False)
+    ids = [t.task_id for t in tasks]
+    assert ids == ["test/a/1.json", "test/a/2.json", "test/a/1.json#3", "test/a/1.json"]
+    assert "names two different questions (lines 1 and 3)" in caplog.text and str(f) in caplog.text
+    with pytest.raises(DatasetError, match=r"id 'test/a/1.json' names two different questions \(lines 1 and 3\)"):
+        load_tasks(DataSource(source=str(f), n=0, duplicate_ids="refuse"), "math", held_out=False)

@@ -109,7 +109,9 @@ def load_jsonl_rows(
         try:
             if isinstance(row, UnreadableRow):
                 raise KeyError(row.reason)
-            tasks.append(make_task(line_no, row))
+            task = make_task(line_no, row)
+            task.meta.setdefault("line", line_no)  # where the row was: for messages about it later
+            tasks.append(task)
         except (KeyError, ValueError, TypeError) as err:
             reason = f"{path}, line {line_no}: {err.args[0] if err.args else err}"
             if not skip_bad_rows:
