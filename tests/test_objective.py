@@ -354,3 +354,22 @@ def test_tis_cap_below_one_is_refused():
     with pytest.raises(ValueError, match="tis_cap must be ≥ 1"):
         policy_loss("srpo", logprobs=cur, old_logprobs=old, mask=mask, event_index=idx, advantages=adv,
                     behaviour_logprobs=beh, tis_cap=0.5)
+
+
+def test_group_advantages_stay_finite_for_any_finite_rewards():
+    """Rewards of ±1e308 (finite) overflowed the group sums: 3 of 4 steps were skipped as
+    non-finite.  The statistics are taken on rewards scaled by a power of two; std-scaled
+    advantages are the same as at any scale, centred ones are scaled back."""
+    import torch
+
+    from srpo.objective import group_advantages
+
+    groups = torch.tensor([0, 0, 0, 0, 1, 1])
+    huge = torch.tensor([1e308, -1e308, 1e308, 0.0, 5.0, 7.0], dtype=torch.float64)
+    small = huge / 1e300
+    a, b = group_advantages(huge, groups), group_advantages(small, groups)
+    assert torch.isfinite(a).all() and torch.allclose(a[:4], b[:4])
+    centred = group_advantages(huge, groups, scale="none")
+    assert torch.isfinite(centred).all() and centred[1] == -1.25e308
+    plain = torch.tensor([1.0, 0.0, 1.0, 0.0, 5.0, 7.0])
+    assert torch.equal(group_advantages(plain, groups), group_advantages(plain.clone(), groups))

@@ -14,6 +14,8 @@ into its members.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 ADVANTAGE_SCALES = ("std", "none")
@@ -48,6 +50,14 @@ def group_advantages(
     rewards = rewards.to(dtype)
     if rewards.numel() == 0:
         return rewards.clone()
+    # Finite rewards near the dtype's limit (±1e308 in float64) overflow the group sums and squares
+    # to inf/NaN.  Scaled by a power of two (exact) so the largest is 1, the statistics stay
+    # finite; a std-scaled advantage does not depend on the scale, a centred one is scaled back.
+    big = float(rewards.abs().max()) if torch.isfinite(rewards).all() else 0.0
+    if big > 2.0 ** 60:
+        shift = 2.0 ** -math.ceil(math.log2(big))
+        scaled = group_advantages(rewards * shift, group_ids, scale=scale, eps=eps * shift)
+        return scaled if scale == "std" else scaled / shift
     _, inverse = torch.unique(group_ids, return_inverse=True)  # (E,) in [0, G)
     num_groups = int(inverse.max()) + 1
     count = torch.zeros(num_groups, dtype=dtype, device=rewards.device).index_add_(
