@@ -689,6 +689,8 @@ def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
             raise ConfigError(f"{p}: include: must be a file name or a list of file names, got {include!r}")
         base: dict = {}
         for name in includes:
+            if not (p.parent / name).is_file():
+                raise ConfigError(f"{p}: include: {name} — no such file ({p.parent / name})")
             base = _deep_merge(base, read_yaml(p.parent / name, _seen + (p.resolve(),)))
         data = _deep_merge(base, data)
     return data

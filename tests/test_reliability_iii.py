@@ -497,3 +497,26 @@ def test_two_questions_under_one_id_get_their_own_groups_or_are_refused(tmp_path
     assert "names two different questions (lines 1 and 3)" in caplog.text and str(f) in caplog.text
     with pytest.raises(DatasetError, match=r"id 'test/a/1.json' names two different questions \(lines 1 and 3\)"):
         load_tasks(DataSource(source=str(f), n=0, duplicate_ids="refuse"), "math", held_out=False)
+
+
+def test_unreadable_data_files_and_a_missing_include_are_one_line_naming_the_files(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from srpo.config import ConfigError, read_yaml
+    from srpo.tasks.base import DatasetError, read_rows
+
+    whole = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"question": ["a"], "answer": ["1"]}), whole)
+    cut = tmp_path / "cut.parquet"
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    with pytest.raises(DatasetError, match=re.escape(f"{cut}: not a readable parquet file — truncated or damaged?")):
+        list(read_rows(cut))
+    gz = tmp_path / "rows.jsonl"
+    gz.write_bytes(b"\x1f\x8b\x08\x00garbage")
+    with pytest.raises(DatasetError, match="a gzip-compressed file; decompress it first"):
+        list(read_rows(gz))
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("include: base.yaml\nrun: {steps: 1}\n")
+    with pytest.raises(ConfigError, match=re.escape(f"{cfg}: include: base.yaml — no such file")):
+        read_yaml(cfg)

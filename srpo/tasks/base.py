@@ -51,6 +51,9 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
     p = Path(path)
     if not p.is_file():
         raise DatasetError(f"{p}: no such dataset file")
+    with open(p, "rb") as f:
+        if f.read(2) == b"\x1f\x8b":
+            raise DatasetError(f"{p}: a gzip-compressed file; decompress it first (gunzip), srpo reads plain jsonl")
     any_row = False
     with open(p, "rb") as f:
         for line_no, raw in enumerate(f, start=1):
@@ -83,7 +86,11 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, dict]]:
             import pyarrow.parquet as pq
         except ImportError:
             raise DatasetError(f"{p}: reading parquet needs pyarrow (pip install pyarrow)") from None
-        rows = pq.read_table(p).to_pylist()
+        try:
+            rows = pq.read_table(p).to_pylist()
+        except Exception as err:  # noqa: BLE001 - pyarrow's ArrowInvalid / OSError for a damaged file
+            first = (str(err).splitlines() or [type(err).__name__])[0]
+            raise DatasetError(f"{p}: not a readable parquet file — truncated or damaged? ({first})") from None
         if not rows:
             raise DatasetError(f"{p}: the file holds no rows")
         return iter(enumerate(rows, start=1))
