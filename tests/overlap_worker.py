@@ -18,6 +18,25 @@ from srpo.train import Trainer  # noqa: E402
 from test_reliability_runs import tiny, varied_reward  # noqa: E402
 
 
+def fit_until(trainer, kill_after=None, resume=False):
+    """Resume ``trainer`` if asked, then train it, stopping in step ``kill_after`` before that step's
+    checkpoint (its update and the next rollout are lost); the trainer is closed either way."""
+    if resume:
+        assert trainer.resume()
+
+    def stop(tr, _metrics):
+        if kill_after is not None and tr.step == kill_after:
+            raise KeyboardInterrupt
+
+    try:
+        trainer.fit(on_step=stop)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        trainer.close()
+    return trainer
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("run_dir")
@@ -28,21 +47,8 @@ def main() -> None:
     extra = [f"run.steps={a.steps}", "rollout.max_staleness=1", "run.threads=1"]
     cfg = load_config(None, tiny(a.run_dir, extra))
     _maybe_init_distributed(cfg.run.device, cfg.run.collective_timeout_s)  # the gloo group, as `srpo train`
-    trainer = Trainer(cfg, progress=False, reward_fn=varied_reward)
-    if a.resume:
-        assert trainer.resume()
-
-    def stop(tr, _metrics):
-        if a.kill_after is not None and tr.step == a.kill_after:
-            raise KeyboardInterrupt
-
-    try:
-        trainer.fit(on_step=stop)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        trainer.close()
-        trainer.backend.close()  # both ranks leave together
+    trainer = fit_until(Trainer(cfg, progress=False, reward_fn=varied_reward), a.kill_after, a.resume)
+    trainer.backend.close()  # both ranks leave together
 
 
 if __name__ == "__main__":

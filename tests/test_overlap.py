@@ -12,6 +12,7 @@ from srpo.build import config_from_dict, load_config
 from srpo.config import ConfigError
 from srpo.metrics_log import read_metrics
 from srpo.train import Trainer
+from overlap_worker import fit_until
 from test_reliability_runs import ENV, cli_train, steps_logged, tiny, varied_reward
 
 STALE = ["rollout.max_staleness=1", "run.threads=1"]
@@ -25,21 +26,8 @@ def _final_weights(run):
 
 
 def _run(run, extra, kill_after=None, resume=False):
-    trainer = Trainer(load_config(None, tiny(run, extra)), progress=False, reward_fn=varied_reward)
-    if resume:
-        assert trainer.resume()
-
-    def stop(tr, _metrics):
-        if kill_after is not None and tr.step == kill_after:
-            raise KeyboardInterrupt  # before step kill_after's checkpoint: its update and next rollout are lost
-
-    try:
-        trainer.fit(on_step=stop)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        trainer.close()
-    return trainer
+    return fit_until(Trainer(load_config(None, tiny(run, extra)), progress=False, reward_fn=varied_reward),
+                     kill_after, resume)
 
 
 def test_staleness_one_overlaps_logs_its_staleness_and_resumes_exactly(tmp_path):
