@@ -271,8 +271,10 @@ def test_an_unreachable_or_slow_server_costs_the_tool_call_not_the_run():
         start = time.perf_counter()
         with pytest.raises(RetrieverUnavailable, match="no answer within 0.3 s"):
             slow.search("anything", 3)
-        assert time.perf_counter() - start < 1.5
-        assert slow.stats == {"requests": 2, "retries": 1, "failures": 1, "timeouts": 2}
+        # A server that does not answer costs the call its timeout once: a timeout is not retried
+        # (a frozen server made each retry wait the whole timeout again).
+        assert time.perf_counter() - start < 1.5  # the server's own delay: not waited for
+        assert slow.stats == {"requests": 1, "retries": 0, "failures": 1, "timeouts": 1}
 
 
 def test_a_run_config_names_a_server_instead_of_a_corpus():

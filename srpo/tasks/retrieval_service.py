@@ -124,10 +124,12 @@ def passage_from(entry: dict) -> Passage:
 class HTTPRetriever:
     """A retriever that asks a Search-R1-compatible server.
 
-    Each request has ``timeout_s``; a failed or timed-out request is retried ``retries`` times
-    (``backoff_s`` doubling between tries), then :class:`RetrieverUnavailable` is raised — which
-    the workflow runtime counts as a failed tool call (the episode goes on).  ``stats`` counts
-    requests, retries, failures and timeouts over the client's life.
+    Each call has ``timeout_s`` in all, retries included: a refused connection or a 5xx answer is
+    retried up to ``retries`` times (``backoff_s`` doubling between tries) within what is left of
+    it, and a timeout is not retried — a frozen server would only make every retry wait the whole
+    timeout again (8 calls once cost 22 timeouts).  Then :class:`RetrieverUnavailable` is raised,
+    which the workflow runtime counts as a failed tool call (the episode goes on).  ``stats``
+    counts requests, retries, failures and timeouts over the client's life.
     """
 
     def __init__(self, url: str, *, timeout_s: float = 5.0, retries: int = 2, backoff_s: float = 0.2):
@@ -150,13 +152,17 @@ class HTTPRetriever:
     def search_many(self, queries: Sequence[str], k: int = 3) -> list[list[Passage]]:
         body = {"queries": list(queries), "topk": k, "return_scores": True}
         last = ""
+        deadline = time.monotonic() + self.timeout_s
         for attempt in range(self.retries + 1):
             if attempt:
+                pause = self.backoff_s * 2 ** (attempt - 1)
+                if time.monotonic() + pause >= deadline:  # no time left for another try
+                    break
                 self._count("retries")
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+                time.sleep(pause)
             self._count("requests")
             try:
-                response = self._client.post(self.url, json=body)
+                response = self._client.post(self.url, json=body, timeout=max(deadline - time.monotonic(), 0.01))
                 response.raise_for_status()
                 rows = response.json()["result"]
                 if len(rows) != len(queries):
@@ -165,6 +171,7 @@ class HTTPRetriever:
             except self._httpx.TimeoutException:
                 self._count("timeouts")
                 last = f"no answer within {self.timeout_s} s"
+                break  # a server that does not answer in time will not answer a retry sooner
             except self._httpx.HTTPStatusError as err:
                 last = f"HTTP {err.response.status_code}: {err.response.text[:160]}"
                 if err.response.status_code < 500:  # the request itself is wrong: another try cannot help
