@@ -416,9 +416,11 @@ class RetrieverConfig(Section):
     """A Search-R1-compatible retrieval server (``srpo retriever serve``, or an e5/FAISS one), e.g.
     http://127.0.0.1:8000/retrieve; replaces ``task.corpus`` for the search workflows."""
     timeout_s: Positive = 5.0
-    """Per request; a timed-out request is retried."""
+    """Per call, retries included; a call that times out is not retried (a frozen server would make
+    every retry wait again)."""
     retries: NonNegativeInt = 2
-    """Further tries of a failed request before the tool call fails (counted; the episode goes on)."""
+    """Further tries of a refused connection or a 5xx answer, within the call's timeout, before the
+    tool call fails (counted; the episode goes on)."""
 
 
 class Config(Section):
