@@ -199,6 +199,10 @@ class TaskConfig(Section):
     """Held-out sets evaluated every eval.every steps (and by ``srpo eval`` of the run)."""
     corpus: str = ""
     """Search workflows: a corpus jsonl path, or 'synthetic_kb' (uses the train source's KB)."""
+    reward_timeout_s: Positive = 60.0
+    """Limit per reward call.  Rewards run concurrently, each in a thread of its own; one that does
+    not return in time is a failed reward (counted as ``episodes/reward_timeouts``, the episode
+    scores the failure reward) and never holds the step or the process's exit."""
     reward: str = "exact"
     """The training reward, one of the task kind's rewards (math: exact; qa: exact or f1, token F1
     of the answer, a graded signal for models that rarely match exactly) or an import path to

@@ -520,3 +520,51 @@ def test_unreadable_data_files_and_a_missing_include_are_one_line_naming_the_fil
     cfg.write_text("include: base.yaml\nrun: {steps: 1}\n")
     with pytest.raises(ConfigError, match=re.escape(f"{cfg}: include: base.yaml — no such file")):
         read_yaml(cfg)
+
+
+def test_rewards_run_concurrently_under_a_time_limit():
+    """A reward that sleeps held every episode behind it (a step of 2 episodes took 60 s) and Ctrl-C
+    behind that.  Rewards now run at once, each in a daemon thread, and one that overruns
+    task.reward_timeout_s is a counted failed reward."""
+    import threading
+    import time
+
+    from srpo.policies.scripted import ScriptedPolicies
+    from srpo.tasks.math import synthetic_arithmetic
+    from srpo.workflows import Runtime, build_workflow
+
+    tasks = synthetic_arithmetic(4, level=0, seed=1)
+    wf = build_workflow("single")
+    together = threading.Barrier(4, timeout=10)
+
+    def meets_the_others(task, answer):  # passes only if all four rewards run at the same time
+        together.wait()
+        return 1.0
+
+    rt = Runtime(ScriptedPolicies(lambda role, prompt: "4", wf.roles()), wf.default_role_specs(), meets_the_others)
+    results = rt.run(wf, [(f"e{i}", t) for i, t in enumerate(tasks)])
+    assert [r.reward for r in results] == [1.0] * 4 and not rt.failures
+
+    release = threading.Event()
+    hung = Runtime(ScriptedPolicies(lambda role, prompt: "4", wf.roles()), wf.default_role_specs(),
+                   lambda task, answer: release.wait(60) and 1.0, reward_timeout_s=0.3)
+    start = time.perf_counter()
+    results = hung.run(wf, [(f"e{i}", t) for i, t in enumerate(tasks[:2])])
+    release.set()
+    assert time.perf_counter() - start < 10, "the hung rewards were waited for"
+    assert [r.reward for r in results] == [0.0, 0.0] and all(r.info["reward_timeouts"] == 1 for r in results)
+    assert hung.failures["reward"] == 2 and "did not return within 0.3 s" in hung.first_traceback["reward"]
+
+
+def test_symbolic_answers_grade_right_off_the_main_thread():
+    """math-verify times itself out with SIGALRM, which only the main thread may set: in a reward
+    thread (or an overlapped rollout's) it raised and every symbolic answer was graded wrong."""
+    import threading
+
+    from srpo.tasks.math import answers_equivalent
+
+    out = []
+    thread = threading.Thread(target=lambda: out.append(answers_equivalent("\\frac{1}{2}", "0.5")))
+    thread.start()
+    thread.join()
+    assert out == [True] and answers_equivalent("\\frac{1}{2}", "0.5")

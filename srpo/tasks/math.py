@@ -14,6 +14,7 @@ import logging
 import math
 import random
 import re
+import threading
 from fractions import Fraction
 from pathlib import Path
 
@@ -108,6 +109,18 @@ def _brace_depth(s: str) -> int:
     return best
 
 
+class _NoTimeoutNotice(logging.Filter):
+    """math-verify warns at every call made without its SIGALRM timeout — which is every call off
+    the main thread, where srpo bounds grading itself (see :func:`answers_equivalent`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_NoTimeoutNotice())
+
+
 def answers_equivalent(predicted: str | None, gold: str) -> bool:
     """Whether an extracted answer equals the gold one (numbers exactly, else via math-verify)."""
     if predicted is None:
@@ -123,11 +136,16 @@ def answers_equivalent(predicted: str | None, gold: str) -> bool:
     try:
         from math_verify import parse, verify
 
-        gold_parsed = parse(f"\\boxed{{{gold}}}", parsing_timeout=GRADE_TIMEOUT_S)
-        pred_parsed = parse(f"\\boxed{{{predicted}}}", parsing_timeout=GRADE_TIMEOUT_S)
+        # math-verify times itself out with SIGALRM, which only the main thread may set: elsewhere
+        # (rewards run in threads of their own, overlapped rollouts in a background thread) its
+        # signal call raised and every symbolic answer was graded wrong.  There the caller's limit
+        # (task.reward_timeout_s) bounds it instead; the size and depth checks above still apply.
+        limit = GRADE_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+        gold_parsed = parse(f"\\boxed{{{gold}}}", parsing_timeout=limit)
+        pred_parsed = parse(f"\\boxed{{{predicted}}}", parsing_timeout=limit)
         if not gold_parsed or not pred_parsed:
             return False
-        return bool(verify(gold_parsed, pred_parsed, timeout_seconds=GRADE_TIMEOUT_S))
+        return bool(verify(gold_parsed, pred_parsed, timeout_seconds=limit))
     except Exception as err:  # math-verify guards most of its errors; anything else is "wrong"
         log.debug("grading failed for %r vs %r: %s", predicted, gold, err)
         return False

@@ -27,6 +27,7 @@ import asyncio
 import concurrent.futures
 import logging
 import math
+import threading
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -202,11 +203,15 @@ class Runtime:
         max_batch: most requests per generation call.
         max_prompt_tokens: longer prompts are not generated (the member is missing, the event invalid).
         tool_timeout_s: limit per tool call.
+        reward_timeout_s: limit per reward call; rewards run concurrently (one daemon thread each,
+            so a reward that never returns neither holds the episodes behind it nor the process's
+            exit), and one that overruns is a failed reward (``episodes/reward_timeouts``).
     """
 
     def __init__(self, policies: PolicySet, roles: dict[str, RoleSpec], reward_fn: RewardFn, *,
                  generator: torch.Generator | None = None, max_batch: int = 256, max_prompt_tokens: int = 4096,
-                 tool_timeout_s: float = 10.0, failure_reward: float = 0.0, engine=None):
+                 tool_timeout_s: float = 10.0, failure_reward: float = 0.0, engine=None,
+                 reward_timeout_s: float = 60.0):
         from srpo.rollout.builtin import BuiltinEngine
 
         self.policies = policies
@@ -217,6 +222,7 @@ class Runtime:
         self.max_batch = max_batch
         self.max_prompt_tokens = max_prompt_tokens
         self.tool_timeout_s = tool_timeout_s
+        self.reward_timeout_s = reward_timeout_s
         self.failure_reward = failure_reward
         self.tool_pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="srpo-tool")
         self.failures: dict[str, int] = {}
@@ -334,9 +340,15 @@ class Runtime:
         try:
             if failed:
                 raise WorkflowError("the workflow raised; see the first workflow failure")
-            reward = float(ctx.reward if ctx.reward is not None else self.reward_fn(task, answer))
+            reward = float(ctx.reward if ctx.reward is not None else await self._reward(task, answer))
             if not math.isfinite(reward):  # NaN or ±inf would reach the advantages, the loss and the logs
                 raise ValueError(f"reward function returned {reward}")
+        except asyncio.TimeoutError:
+            reward = self.failure_reward
+            ctx.info["failed"] = True
+            ctx.count("reward_timeouts")
+            self.record_failure("reward", f"the reward function did not return within {self.reward_timeout_s:g} s "
+                                          f"(task.reward_timeout_s); the episode scores the failure reward")
         except Exception:
             reward = self.failure_reward
             ctx.info["failed"] = True
@@ -346,6 +358,21 @@ class Runtime:
         for e in ctx.events:
             e.reward = reward  # the team return, seen from every event of the episode
         return EpisodeResult(episode_id, task, answer, reward, ctx.events, ctx.info, ctx.transcript)
+
+    async def _reward(self, task: Task, answer: str) -> float:
+        """``reward_fn(task, answer)`` in a daemon thread of its own, waited for at most
+        ``reward_timeout_s`` (asyncio.TimeoutError beyond).  A daemon thread, not a pool's: a reward
+        that never returns must not hold the interpreter's exit (a pool's threads are joined then)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def call():
+            try:
+                future.set_result(self.reward_fn(task, answer))
+            except BaseException as err:  # noqa: BLE001 - handed to the episode, which counts it
+                future.set_exception(err)
+
+        threading.Thread(target=call, name="srpo-reward", daemon=True).start()
+        return await asyncio.wait_for(asyncio.wrap_future(future), timeout=self.reward_timeout_s)
 
     async def _run_all(self, workflow, jobs: Sequence[tuple[str, Task]]) -> list[EpisodeResult]:
         self._pending: list[tuple[GenerationRequest, asyncio.Future]] = []
