@@ -1,4 +1,5 @@
-"""Preemption: SIGTERM (or Slurm's early SIGUSR1) ends a run at its next safe point, saved.
+"""Preemption: SIGTERM (or Slurm's early SIGUSR1, or SIGHUP when the terminal goes away) ends a
+run at its next safe point, saved.
 
 Schedulers stop jobs with SIGTERM and, a grace period later, SIGKILL (Kubernetes: 30 s by
 default; Slurm: ``KillWait``, and ``--signal=USR1@90`` warns 90 s ahead).  ``srpo train``,
@@ -21,7 +22,21 @@ import time
 log = logging.getLogger(__name__)
 
 EXIT_CODE = 143  # 128 + SIGTERM, what schedulers and shells expect of a job ended by SIGTERM
-SIGNALS = ("SIGTERM", "SIGUSR1")
+#: SIGHUP: the terminal went away (an ssh session dropped, a closed tab) — handled like SIGTERM,
+#: with the process's output detached from the dead terminal first (writing there raises EIO,
+#: which turned a run that trained every step into exit 1).
+SIGNALS = ("SIGTERM", "SIGUSR1", "SIGHUP")
+
+
+def _detach_from_terminal() -> None:
+    """Point stdout and stderr at /dev/null: the terminal they wrote to is gone."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for fd in (1, 2):
+            os.dup2(devnull, fd)
+        os.close(devnull)
+    except OSError:
+        pass
 
 
 class Preempted(RuntimeError):
@@ -48,6 +63,8 @@ def _out_of_time() -> None:
 
 def _handler(signum, _frame) -> None:
     name = signal.Signals(signum).name
+    if name == "SIGHUP":
+        _detach_from_terminal()
     if _state.requested is not None:  # a second signal: no more waiting
         log.error("%s again: exiting now; the previous checkpoint stays valid", name)
         logging.shutdown()
@@ -62,7 +79,7 @@ def _handler(signum, _frame) -> None:
 
 
 def install(grace_s: float = 120.0) -> bool:
-    """Handle SIGTERM and SIGUSR1 in this process (main thread only; False elsewhere)."""
+    """Handle SIGTERM, SIGUSR1 and SIGHUP in this process (main thread only; False elsewhere)."""
     if threading.current_thread() is not threading.main_thread():
         return False
     _state.grace_s = float(grace_s)

@@ -568,3 +568,20 @@ def test_symbolic_answers_grade_right_off_the_main_thread():
     thread.start()
     thread.join()
     assert out == [True] and answers_equivalent("\\frac{1}{2}", "0.5")
+
+
+@pytest.mark.slow
+def test_a_lost_terminal_saves_and_exits_143_like_sigterm(tmp_path):
+    """SIGHUP (the terminal went away) used to leave a run writing to a dead terminal — a run that
+    trained every step ended with exit 1.  It is handled like SIGTERM: saved at the step's end,
+    exit 143, and --resume continues."""
+    import signal
+
+    run = tmp_path / "run"
+    proc = _popen_train(run, ["run.steps=40", "checkpoint.every=0"])
+    _wait_for_step(run, 2, proc)
+    proc.send_signal(signal.SIGHUP)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 143
+    stopped_at = steps_logged(run)[-1]
+    assert 2 <= stopped_at < 40 and (run / "checkpoints" / f"step_{stopped_at:07d}").is_dir()
