@@ -116,6 +116,16 @@ def remove_stale_temporaries(run_dir: Path) -> list[Path]:
     Only call it while holding the run lock: then no other process is writing one."""
     from srpo.run_dir import owned
 
+    from srpo.fileio import remove_stale_temp_files
+
+    files = []
+    if Path(run_dir).is_dir():  # the run's own logs and records, and the checkpoint pointers
+        files = remove_stale_temp_files(run_dir, ("metrics.jsonl", "samples.jsonl", "trackers.json", ".srpo-owned.json"))
+        if (Path(run_dir) / "checkpoints").is_dir() and not (Path(run_dir) / "checkpoints").is_symlink():
+            files += remove_stale_temp_files(Path(run_dir) / "checkpoints", ("latest", BEST_FILE))
+    if files:
+        log.warning("removed %d temporary file(s) left by an interrupted write: %s", len(files),
+                    ", ".join(p.name for p in files))
     root = Path(run_dir) / "checkpoints"
     if root.is_symlink() or "checkpoints" not in owned(run_dir):
         return []  # not srpo's folder (yet): nothing in it is srpo's to delete

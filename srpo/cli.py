@@ -23,6 +23,10 @@ import traceback
 from pathlib import Path
 
 
+#: errno values of a failed write that are the machine's state, not a bug: exit 2, one line.
+WRITE_ERRNOS = {28, 27, 122, 30}  # ENOSPC, EFBIG, EDQUOT, EROFS
+
+
 def _train(args) -> int:
     from srpo import preemption
     from srpo.build import load_config
@@ -491,6 +495,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.ERROR)
     from srpo import preemption
     from srpo.checkpoint import CheckpointError
+    from srpo.fileio import WriteError
     from srpo.config import ConfigError
     from srpo.parallel.base import CollectiveTimeout
     from srpo.serving import ServeError
@@ -501,7 +506,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (ConfigError, CheckpointError, ModelLoadError, DatasetError, RunDirError, UsageError, ServeError) as err:
+    except (ConfigError, CheckpointError, ModelLoadError, DatasetError, RunDirError, UsageError, ServeError,
+            WriteError) as err:
         if args.verbose:
             traceback.print_exc()
         print(f"error: {err}", file=sys.stderr)
@@ -518,6 +524,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # noqa: BLE001 - the last line of defence: one message, not a traceback
         if args.verbose:
             traceback.print_exc()
+        if isinstance(err, OSError) and err.errno in WRITE_ERRNOS:  # a write srpo did not wrap: still one line
+            from srpo.fileio import write_error
+
+            print(f"error: {write_error(err, err.filename or 'a file')}", file=sys.stderr)
+            return 2
         where = ""
         if isinstance(err, OSError) and err.filename:
             where = f" ({err.filename})"

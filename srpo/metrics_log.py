@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from srpo.fileio import write_error, write_text_atomic
+
 log = logging.getLogger(__name__)
 
 LOG_FILES = ("metrics.jsonl", "samples.jsonl")
@@ -73,9 +75,7 @@ class MetricsLogger:
             if not p.is_file():
                 continue
             kept = [json.dumps(row) for row in read_jsonl_rows(p) if row.get("step", 0) <= step]
-            tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, p)
+            write_text_atomic(p, "".join(line + "\n" for line in kept))
         self.purge_step = step + 1
 
     def close(self, status: str = "finished") -> None:
@@ -87,14 +87,18 @@ class MetricsLogger:
 
 def _append_line(path: Path, text: str) -> None:
     """Append ``text`` + newline in one write; if the file ends mid-line (a cut-off write), the
-    broken tail is closed off first so that it cannot swallow this row."""
-    with open(path, "a+b") as f:
-        prefix = b""
-        if f.tell() > 0:
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":
-                prefix = b"\n"
-        f.write(prefix + text.encode("utf-8") + b"\n")
+    broken tail is closed off first so that it cannot swallow this row.  A failed write (a full
+    disk) is a :class:`~srpo.fileio.WriteError` naming the file."""
+    try:
+        with open(path, "a+b") as f:
+            prefix = b""
+            if f.tell() > 0:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    prefix = b"\n"
+            f.write(prefix + text.encode("utf-8") + b"\n")
+    except OSError as err:
+        raise write_error(err, path) from err
 
 
 def _plain(v):

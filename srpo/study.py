@@ -52,7 +52,7 @@ from pydantic import Field
 from srpo.config import (ConfigError, DataSource, Float, Section, apply_overrides, parse_section, read_yaml,
                          resolve_program_path)
 from srpo import build, stats
-from srpo.fileio import write_text_atomic
+from srpo.fileio import remove_stale_temp_files, write_text_atomic
 from srpo.metrics_log import read_metrics
 from srpo.run_dir import owned, refuse_links
 from srpo.stats import mean_se
@@ -465,6 +465,7 @@ def run_study(path: str | Path, progress: bool = True, only: int | None = None,
     root = Path(spec["output_dir"])
     root.mkdir(parents=True, exist_ok=True)
     refuse_links(root, STUDY_FILES)  # srpo writes only real files of its own in a study folder
+    remove_stale_temp_files(root, ("results.md", "results.json", "study.yaml"))  # a crashed write's leftovers
     write_text_atomic(root / "study.yaml", Path(path).read_text())
     index, count = shard
     sizes = heldout_sizes(spec)

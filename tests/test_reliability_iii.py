@@ -585,3 +585,53 @@ def test_a_lost_terminal_saves_and_exits_143_like_sigterm(tmp_path):
     assert proc.returncode == 143
     stopped_at = steps_logged(run)[-1]
     assert 2 <= stopped_at < 40 and (run / "checkpoints" / f"step_{stopped_at:07d}").is_dir()
+
+
+def test_a_failed_write_is_one_line_naming_the_file_and_leaves_no_temporary(tmp_path, monkeypatch):
+    import errno
+    import subprocess
+    import sys
+
+    from srpo import fileio
+
+    target = tmp_path / "results.md"
+    target.write_text("old")
+    real_fsync = os.fsync
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fileio.os, "fsync", full_disk)
+    with pytest.raises(fileio.WriteError, match=re.escape(f"cannot write {target}: the disk is full")):
+        fileio.write_text_atomic(target, "new")
+    monkeypatch.setattr(fileio.os, "fsync", real_fsync)
+    assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["results.md"]
+
+    # Leftovers of a writer that died are removed when the folder is next claimed; a live
+    # writer's (another shard's), and files that only look alike, are not.
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".results.md.tmp{int(dead.stdout)}"
+    live = tmp_path / f".results.json.tmp{os.getppid()}"
+    theirs = tmp_path / f".notes.txt.tmp{int(dead.stdout)}"
+    for p in (stale, live, theirs):
+        p.write_text("x")
+    assert fileio.remove_stale_temp_files(tmp_path, ("results.md", "results.json")) == [stale]
+    assert live.exists() and theirs.exists()
+
+
+def test_a_full_disk_in_the_command_line_is_exit_2_naming_the_file(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from srpo import cli
+
+    def fails(args):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "metrics.jsonl"))
+
+    monkeypatch.setattr(cli, "_report", fails, raising=False)
+    parser = cli.build_parser()
+    args = parser.parse_args(["report", str(tmp_path)])
+    monkeypatch.setattr(args, "func", fails)
+    monkeypatch.setattr(parser, "parse_args", lambda argv=None: args)
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    assert cli.main(["report", str(tmp_path)]) == 2
+    assert f"error: cannot write {tmp_path / 'metrics.jsonl'}: the disk is full" in capsys.readouterr().err
