@@ -40,15 +40,20 @@ class StandInEngine:
                 calls.append("wake:" + "+".join(tags))
         return LLM()
 
-    def teacher_forced_logprobs(self, sequences, adapter=None):
+    def generate(self, prompts, params, generator=None, adapters=None):
+        """A fixed "sample" (the prompt's first tokens, reversed) with its log-probs under the
+        weights this engine holds — stale ones if a sync was dropped."""
         from srpo.policies.logprobs import completion_logprobs
+        from srpo.policies.sampling import Sample
 
         out = []
         with torch.no_grad():
-            for seq in sequences:
-                ids = torch.tensor([seq])
-                out.append(completion_logprobs(self.model, ids, torch.ones_like(ids), 1,
-                                               action_mask=torch.ones(1, len(seq) - 1))[0].tolist())
+            for prompt, p in zip(prompts, params):
+                completion = list(reversed(prompt[:p.max_new_tokens]))
+                ids = torch.tensor([list(prompt) + completion])
+                lp = completion_logprobs(self.model, ids, torch.ones_like(ids), len(prompt),
+                                         action_mask=torch.ones(1, len(completion)))[0]
+                out.append(Sample(completion_ids=completion, text="", logprobs=lp.tolist(), finish_reason="length"))
         return out
 
 
@@ -91,7 +96,7 @@ def test_an_engine_that_dropped_its_weights_stops_the_run_naming_the_sync(polici
     nudge(policies)
     r.update_weights()  # sync 2 is not probed (every 2: syncs 1, 3, 5 ...)
     nudge(policies)
-    with pytest.raises(EngineOutOfSync, match=r"after sync 3 the engine's log-probs of 3 probe sequences differ"):
+    with pytest.raises(EngineOutOfSync, match=r"after sync 3 the engine's log-probs of its samples of 3 probe prompts differ"):
         r.update_weights()
     assert r.sync_metrics["rollout/sync_gap"] > 0.1
 

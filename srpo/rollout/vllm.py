@@ -396,18 +396,6 @@ class VLLMEngine:
         if self.woken >= {"weights", "kv_cache"}:
             self.asleep = 0
 
-    def teacher_forced_logprobs(self, sequences: list[list[int]], adapter: str | None = None) -> list[list[float]]:
-        """log p(token_i | tokens_<i) for i ≥ 1 of each sequence, from the engine at temperature 1
-        (vLLM's prompt log-probs): what :meth:`VLLMRollout.check_sync` compares with the trainer."""
-        from vllm import SamplingParams
-
-        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
-        lora = [self.loras[adapter]] * len(sequences) if adapter else None
-        outputs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, lora_request=lora,
-                                    use_tqdm=False)
-        return [[step[token].logprob for step, token in zip(out.prompt_logprobs[1:], seq[1:])]
-                for seq, out in zip(sequences, outputs)]
-
     def reset_prefix_cache(self) -> None:
         """Forget cached prompt blocks: their keys and values were computed with the old weights."""
         reset = getattr(self.llm, "reset_prefix_cache", None)
@@ -520,30 +508,37 @@ class VLLMRollout:
             self.check_sync(after="a wake" if woke else f"sync {self.syncs}")
 
     def check_sync(self, after: str) -> dict[str, float]:
-        """Teacher-forced log-probs of fixed probe sequences from each engine against the trainer's
-        (one small batch per policy; under FSDP a collective, at the same syncs on every rank).
-        Sets :attr:`sync_metrics` (``rollout/sync_gap``: the mean |Δ log p| per probe token, the
-        largest over policies; ``rollout/sync_gap_max``) and raises
-        :class:`~srpo.rollout.engine.EngineOutOfSync` above ``max_sync_gap``."""
+        """Each engine samples short completions of fixed probe prompts at temperature 1; the
+        trainer scores the same tokens teacher-forced (one small batch per policy; under FSDP a
+        collective, at the same syncs on every rank).  Sets :attr:`sync_metrics`
+        (``rollout/sync_gap``: the mean |Δ log p| per sampled token, the largest over policies;
+        ``rollout/sync_gap_max``) and raises :class:`~srpo.rollout.engine.EngineOutOfSync` above
+        ``max_sync_gap``.  (The engine's own samples, not prompt log-probs: vLLM's LoRA kernels
+        fail on prompt log-probs.)"""
+        from srpo.policies.sampling import SamplingParams
         from srpo.rollout.engine import EngineOutOfSync
 
-        sequences = probe_sequences(self.policies.tokenizer)
+        prompts = probe_sequences(self.policies.tokenizer)
+        params = [SamplingParams(temperature=1.0, max_new_tokens=PROBE_NEW_TOKENS) for _ in prompts]
         mean_gap = max_gap = 0.0
         for pid in self.policies.policy_ids:
             if self.policies.layout == "lora":
-                engine_lp = self.engines["base"].teacher_forced_logprobs(sequences, adapter=pid)
+                samples = self.engines["base"].generate(prompts, params, torch.Generator().manual_seed(0),
+                                                        adapters=[pid] * len(prompts))
             else:
-                engine_lp = self.engines[pid].teacher_forced_logprobs(sequences)
-            trainer_lp = trainer_probe_logprobs(self.policies, pid, sequences)
-            gaps = torch.cat([(torch.tensor(e) - t).abs() for e, t in zip(engine_lp, trainer_lp)])
-            mean_gap, max_gap = max(mean_gap, float(gaps.mean())), max(max_gap, float(gaps.max()))
+                samples = self.engines[pid].generate(prompts, params, torch.Generator().manual_seed(0))
+            trainer_lp = trainer_probe_logprobs(self.policies, pid, prompts, [s.completion_ids for s in samples])
+            gaps = torch.cat([(torch.tensor(s.logprobs[:len(t)]) - t[:len(s.logprobs)]).abs()
+                              for s, t in zip(samples, trainer_lp)])
+            if gaps.numel():
+                mean_gap, max_gap = max(mean_gap, float(gaps.mean())), max(max_gap, float(gaps.max()))
         self.sync_metrics = {"rollout/sync_gap": mean_gap, "rollout/sync_gap_max": max_gap}
         if not mean_gap <= self.settings.max_sync_gap:
             raise EngineOutOfSync(
-                f"rollout: after {after} the engine's log-probs of {len(sequences)} probe sequences differ from the "
-                f"trainer's by {mean_gap:.3g} per token on average (largest {max_gap:.3g}), above rollout.max_sync_gap "
-                f"{self.settings.max_sync_gap:g}: the engine did not take the weights (a sync or wake defect), so "
-                f"training stops before sampling from it")
+                f"rollout: after {after} the engine's log-probs of its samples of {len(prompts)} probe prompts differ "
+                f"from the trainer's by {mean_gap:.3g} per token on average (largest {max_gap:.3g}), above "
+                f"rollout.max_sync_gap {self.settings.max_sync_gap:g}: the engine did not take the weights (a sync "
+                f"or wake defect), so training stops before sampling from it")
         return self.sync_metrics
 
     def _save_adapter(self, policy_id: str, folder: Path) -> None:
@@ -575,23 +570,32 @@ PROBE_TEXTS = (
 )
 
 
+#: Tokens each probe prompt's completion is sampled for.
+PROBE_NEW_TOKENS = 16
+
+
 def probe_sequences(tokenizer, max_tokens: int = 48) -> list[list[int]]:
     """The probe texts as token ids (at most ``max_tokens`` each)."""
     out = [tokenizer(t, add_special_tokens=False)["input_ids"][:max_tokens] for t in PROBE_TEXTS]
     return [ids for ids in out if len(ids) >= 4]
 
 
-def trainer_probe_logprobs(policies, policy_id: str, sequences: list[list[int]]) -> list[torch.Tensor]:
-    """(len − 1,) teacher-forced log-probs of each sequence's tokens after the first, at
-    temperature 1, under ``policy_id`` (no gradient; under FSDP through the sharded root)."""
+def trainer_probe_logprobs(policies, policy_id: str, prompts: list[list[int]],
+                           completions: list[list[int]]) -> list[torch.Tensor]:
+    """(len(completion),) teacher-forced log-probs of each completion after its prompt, at
+    temperature 1, under ``policy_id`` (no gradient).  One pass per prompt whatever was sampled
+    (an empty completion is scored on a stand-in token and returns nothing): under FSDP the passes
+    are collectives, and ranks sample differently."""
     device = next(iter(policies.parameters(policy_id))).device
+    stand_in = int(policies.tokenizer.eos_token_id or 0)
     out = []
     with torch.no_grad():
-        for seq in sequences:
-            ids = torch.tensor([seq], device=device)
-            lp = policies.logprobs(policy_id, ids, torch.ones_like(ids), 1,
-                                   action_mask=torch.ones(1, len(seq) - 1, device=device), temperature=1.0)
-            out.append(lp[0].float().cpu())
+        for prompt, completion in zip(prompts, completions):
+            scored = list(completion) or [stand_in]
+            ids = torch.tensor([list(prompt) + scored], device=device)
+            lp = policies.logprobs(policy_id, ids, torch.ones_like(ids), len(prompt),
+                                   action_mask=torch.ones(1, len(scored), device=device), temperature=1.0)
+            out.append(lp[0, :len(completion)].float().cpu())
     return out
 
 
