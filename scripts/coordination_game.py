@@ -41,6 +41,7 @@ study's comparisons, TOST at the declared margin for the K = 1 ties).
 from __future__ import annotations
 
 import argparse
+import gzip
 import itertools
 import json
 import math
@@ -304,7 +305,8 @@ def read_runs(path: Path) -> list[dict]:
     if not path.exists():
         return []
     out = []
-    for line in path.read_text().splitlines():
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    for line in text.splitlines():
         try:
             out.append(json.loads(line))
         except json.JSONDecodeError:  # a line cut by a kill mid-write: the run is done again
@@ -359,7 +361,22 @@ def run_study(decl: dict, out: Path, shard: tuple[int, int]) -> None:
 
 
 def read_all(out: Path) -> list[dict]:
-    return [r for p in sorted(out.glob("runs.*.jsonl")) for r in read_runs(p)]
+    """Every finished run in ``out``: the shards' ``runs.*.jsonl`` (or the archived ``runs.jsonl.gz``)."""
+    files = sorted(out.glob("runs.*.jsonl")) + sorted(out.glob("runs*.jsonl.gz"))
+    return [r for p in files for r in read_runs(p)]
+
+
+def archive(out: Path, dest: Path) -> Path:
+    """All runs in one gzip file (curves rounded to 4 decimals): what docs/study_data keeps."""
+    def rounded(r):
+        return {k: ([round(x, 4) for x in v] if isinstance(v, list) else round(v, 5) if isinstance(v, float) else v)
+                for k, v in r.items()}
+
+    lines = "".join(json.dumps(rounded(r)) + "\n" for r in read_all(out))
+    dest.mkdir(parents=True, exist_ok=True)
+    path = dest / "runs.jsonl.gz"
+    path.write_bytes(gzip.compress(lines.encode(), mtime=0))
+    return path
 
 
 def report(decl: dict, out: Path) -> dict:
@@ -477,6 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--study", required=True, type=Path)
     p.add_argument("--shard", default="1/1")
     p.add_argument("--out", type=Path, help="results folder for `report` (default: the study's output_dir)")
+    p.add_argument("--runs", type=Path, help="`report`: read the runs here (e.g. docs/study_data/coordination_game, "
+                                             "which holds them archived) instead of the study's output_dir")
     args = p.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("SRPO_THREADS", "1")))
     decl = load_declaration(args.study)
@@ -491,9 +510,12 @@ def main(argv: list[str] | None = None) -> int:
         i, n = (int(x) for x in args.shard.split("/"))
         run_study(decl, out, (i, n))
         return 0
-    result = report(decl, out)
+    source = args.runs or out
+    result = report(decl, source)
     dest = args.out or out
     dest.mkdir(parents=True, exist_ok=True)
+    if args.runs is None and dest != out:  # the runs travel with the report
+        archive(out, dest)
     (dest / "results.json").write_text(json.dumps(result, indent=1))
     text = markdown(result)
     (dest / "results.md").write_text(text)
