@@ -1,8 +1,8 @@
 """Study (l): a controlled test of SRPO's own claim — the coordination game.
 
-    python scripts/coordination_game.py run   --study configs/studies/coordination_game.yaml --shard 1/2
-    python scripts/coordination_game.py run   --study configs/studies/coordination_game.yaml --shard 2/2
-    python scripts/coordination_game.py report --study configs/studies/coordination_game.yaml
+    python scripts/coordination_game.py run   --study configs/studies/controlled/coordination_game.yaml --shard 1/2
+    python scripts/coordination_game.py run   --study configs/studies/controlled/coordination_game.yaml --shard 2/2
+    python scripts/coordination_game.py report --study configs/studies/controlled/coordination_game.yaml
 
 SRPO's claim is about credit: when K outputs jointly cause one transition, the update unit should
 be their set.  This game is the smallest place where that can be measured with the truth known:

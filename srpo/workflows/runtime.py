@@ -367,9 +367,11 @@ class Runtime:
 
         def call():
             try:
-                future.set_result(self.reward_fn(task, answer))
+                value, error = self.reward_fn(task, answer), None
             except BaseException as err:  # noqa: BLE001 - handed to the episode, which counts it
-                future.set_exception(err)
+                value, error = None, err
+            if future.set_running_or_notify_cancel():  # False: the episode was cancelled meanwhile
+                future.set_exception(error) if error is not None else future.set_result(value)
 
         threading.Thread(target=call, name="srpo-reward", daemon=True).start()
         return await asyncio.wait_for(asyncio.wrap_future(future), timeout=self.reward_timeout_s)
