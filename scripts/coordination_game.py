@@ -424,10 +424,34 @@ def report(decl: dict, out: Path) -> dict:
     return result
 
 
+def claim_table(result: dict, against: tuple[str, ...] = ("grpo", "gspo")) -> list[str]:
+    """The claim in one table: per (policy, K), the reference's edge over each baseline under the
+    joint and the decomposable reward, and the contrast between them (Holm p)."""
+    ref = result["declaration"].get("reference", "srpo_sqrt")
+    comp = {(c["method"], c["k"], c["reward"], c["policy"]): c for c in result["comparisons"]}
+
+    def cell(c):
+        if c is None:
+            return "–"
+        ci = f" [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}]" if c.get("ci95") else ""
+        mark = "*" if c.get("significant") else ""
+        return f"{c['mean']:+.3f}{ci}{mark}"
+
+    head = " | ".join(f"{ref} − {m}: joint | decomposable | joint − decomposable" for m in against)
+    lines = [f"| policy | K | {head} |", "|---|---:|" + "---|---|---|" * len(against)]
+    decl = result["declaration"]
+    for policy, k in itertools.product(decl["policies"], decl["k"]):
+        row = []
+        for m in against:
+            row += [cell(comp.get((m, k, r, policy))) for r in ("joint", "decomposable", "joint - decomposable")]
+        lines.append(f"| {policy} | {k} | " + " | ".join(row) + " |")
+    return lines + ["", "(* significant after Holm across all the study's comparisons)"]
+
+
 def markdown(result: dict) -> str:
     decl = result["declaration"]
     ref = decl.get("reference", "srpo_sqrt")
-    lines = [f"Primary metric: mean expected success over the first {decl['game']['updates']} updates "
+    lines = claim_table(result) + [""] + [f"Primary metric: mean expected success over the first {decl['game']['updates']} updates "
              f"(exact, from the policies); {len(decl['seeds'])} fresh paired seeds per cell, learning rate "
              f"tuned per cell on {len(decl['tuning_seeds'])} other seeds.", "",
              "| policy | reward | K | " + " | ".join(decl["methods"]) + " |",
