@@ -12,7 +12,8 @@ from srpo.config import ConfigError
 from srpo.train import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = sorted(glob.glob(str(ROOT / "configs" / "*" / "*" / "*.yaml")))
+# Run configs only (configs/<task>/<workflow>/*.yaml); study declarations live under configs/studies/.
+CONFIGS = sorted(c for c in glob.glob(str(ROOT / "configs" / "*" / "*" / "*.yaml")) if "/studies/" not in c)
 
 
 def varied_reward(task, answer):
