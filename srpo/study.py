@@ -468,7 +468,7 @@ def run_study(path: str | Path, progress: bool = True, only: int | None = None,
     remove_stale_temp_files(root, ("results.md", "results.json", "study.yaml"))  # a crashed write's leftovers
     write_text_atomic(root / "study.yaml", Path(path).read_text())
     index, count = shard
-    sizes = heldout_sizes(spec)
+    sizes = heldout_sizes(spec)  # loaded once per study process; write_results reuses it
     small = {name: n for name, n in sizes.items() if n < MIN_HELDOUT_PROBLEMS}
     if small and index == 1:
         log.warning("held-out set(s) with fewer than %d distinct problems: %s — the evaluation's own noise will "
@@ -698,7 +698,10 @@ STUDY_FILES = ("study.yaml", "results.md", "results.json", "results.png", "mecha
 
 
 def heldout_sizes(spec: dict) -> dict[str, int]:
-    """Distinct problems (canonical: a + b and b + a are one) in each held-out set of the study."""
+    """Distinct problems (canonical: a + b and b + a are one) in each held-out set of the study;
+    computed once and kept in ``spec`` (results are rewritten after every cell)."""
+    if "_heldout_sizes" in spec:
+        return spec["_heldout_sizes"]
     from srpo.data import load_tasks, source_name
 
     kind = (spec.get("base_config") or {}).get("task", {}).get("kind", "math")
@@ -708,6 +711,7 @@ def heldout_sizes(spec: dict) -> dict[str, int]:
             out[source_name(src)] = distinct_problems(load_tasks(src, kind, held_out=True))
         except Exception:  # noqa: BLE001 - a set that fails to load fails in its cell, with its message
             continue
+    spec["_heldout_sizes"] = out
     return out
 
 
