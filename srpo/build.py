@@ -408,7 +408,8 @@ def runtime(cfg: Config, team_: Team, engine_, generator, reward_fn=None):
 
     return _Runtime(team_.policies, team_.role_specs, reward_fn or reward(cfg), generator=generator,
                     max_batch=cfg.train.rollout_batch, max_prompt_tokens=cfg.workflow.max_prompt_tokens,
-                    engine=engine_, reward_timeout_s=cfg.task.reward_timeout_s)
+                    engine=engine_, reward_timeout_s=cfg.task.reward_timeout_s,
+                    drop_failed_episodes=cfg.run.failed_episodes == "drop")
 
 
 def metrics_logger(cfg: Config, rank: int):

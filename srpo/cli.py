@@ -53,8 +53,10 @@ def _train(args) -> int:
         trainer.close()
     # Only after a normal end: the barrier in close() would wait forever for a rank that failed.
     trainer.backend.close()
-    if trainer.backend.rank == 0 and code == 0:
-        print(f"done: {trainer.step} steps; metrics in {Path(cfg.run.output_dir) / 'metrics.jsonl'}")
+    if trainer.backend.rank == 0:
+        print(trainer.failure_summary(), file=sys.stderr if trainer.totals["failed"] else sys.stdout)
+        if code == 0:
+            print(f"done: {trainer.step} steps; metrics in {Path(cfg.run.output_dir) / 'metrics.jsonl'}")
     return code
 
 

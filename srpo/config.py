@@ -85,6 +85,16 @@ class RunConfig(Section):
     """After SIGTERM or SIGUSR1 (what Slurm and Kubernetes send before SIGKILL) the run saves a
     checkpoint at its next step end and exits 143; if that takes longer than this, it exits at once
     and the previous checkpoint stays valid (0: wait for the step however long it takes)."""
+    failed_episodes: Literal["drop", "failure_reward"] = "drop"
+    """An episode whose workflow raised (a user's agent program that crashed or overran its time):
+    drop — none of its outputs is trained (counted as ``episodes/workflow_errors``); failure_reward —
+    train them at the failure reward (0), as if the team had answered wrongly."""
+    max_failed_fraction: Annotated[Float, Field(gt=0, le=1)] = 0.5
+    """A step in which more than this fraction of episodes failed (workflow or reward errors and
+    timeouts) is a failing step; ``max_failed_steps`` of them in a row stop the run with a summary
+    and a non-zero exit."""
+    max_failed_steps: PositiveInt = 3
+    """Consecutive failing steps (see ``max_failed_fraction``) that stop the run."""
 
 
 class LoraConfig(Section):

@@ -125,3 +125,48 @@ def langgraph_team(task, url):
     graph.add_edge(["solver_1", "solver_2"], "judge")
     graph.add_edge("judge", END)
     return graph.compile().invoke({"question": task.question})["final"]
+
+
+# -- clients configured once per process (what the Agents SDK's docs and OPENAI_BASE_URL users do) --
+_FROM_ENV = None
+_DEFAULT = None
+
+
+def configured_from_env(task, url):
+    """A module-level client built once from OPENAI_BASE_URL / OPENAI_API_KEY, base_url ignored."""
+    global _FROM_ENV
+    if _FROM_ENV is None:
+        _FROM_ENV = OpenAI(max_retries=0)
+    reply = _FROM_ENV.chat.completions.create(model="solver", messages=[{"role": "user", "content": task.question}])
+    return reply.choices[0].message.content or ""
+
+
+def default_client_per_episode(task, url):
+    """``set_default_openai_client(AsyncOpenAI(base_url=url))`` at the top of each episode: one
+    process-wide client, replaced by whichever episode started last."""
+    import time
+
+    global _DEFAULT
+    _DEFAULT = OpenAI(base_url=url, api_key="unused", max_retries=0)
+    time.sleep(0.3)  # in one process, the other episodes replace the default meanwhile
+    reply = _DEFAULT.chat.completions.create(model="solver", messages=[{"role": "user", "content": task.question}])
+    return reply.choices[0].message.content or ""
+
+
+def hangs_on_one(task, url):
+    import time
+
+    answer = _ask(_client(url), "solver", task.question)
+    if task.task_id == "hang":
+        while True:  # never returns, ignores everything
+            time.sleep(1)
+    return answer
+
+
+def returns_none(task, url):
+    _ask(_client(url), "solver", task.question)
+    return None
+
+
+def makes_no_call(task, url):
+    return "42"

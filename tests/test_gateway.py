@@ -241,7 +241,56 @@ def test_a_program_that_fails_or_hangs_costs_its_episode_only(caplog):
         assert all(r.reward == 1.0 for r in results if not r.info.get("failed"))
         assert sum(r.info.get(counter, 0) for r in results) == 2
         assert runtime.failures["workflow"] == 2
-        assert all(sum(e.size for e in r.events) == 1 for r in results)  # the sampled answer is kept
+        # What a failed program produced is dropped from the update (run.failed_episodes: drop).
+        assert [sum(e.size for e in r.events) for r in results] == [0 if r.info.get("failed") else 1 for r in results]
+        assert sum(r.info.get("dropped_members", 0) for r in results) == 2
+
+
+@pytest.mark.parametrize("program", ["configured_from_env", "default_client_per_episode"])
+def test_a_client_configured_once_per_process_lands_each_call_in_its_own_episode(program):
+    from srpo.policies.scripted import ScriptedPolicies
+    from srpo.workflows.builtins import build_workflow
+    from srpo.workflows.runtime import Runtime
+
+    agent = build_workflow("openai_agent", entry=f"{TEAMS}:{program}", roles=["solver"], max_workers=4)
+    runtime = Runtime(ScriptedPolicies(_script, ["solver"]), agent.default_role_specs(), lambda t, a: 1.0)
+    results = runtime.run(agent, [(f"e{i}", TASKS[i]) for i in range(4)])
+    assert not runtime.failures, runtime.first_traceback
+    for r in results:  # one call each, holding its own task's question
+        members = [m for e in r.events for m in e.members]
+        assert len(members) == 1, r.transcript
+        assert r.task.question in runtime.policies.tokenizer.decode(members[0].prompt_ids)
+        assert r.answer == _script("solver", r.task.question)
+
+
+def test_a_hung_program_neither_holds_the_run_nor_starves_later_episodes():
+    from srpo.policies.scripted import ScriptedPolicies
+    from srpo.workflows.builtins import build_workflow
+    from srpo.workflows.runtime import Runtime
+
+    agent = build_workflow("openai_agent", entry=f"{TEAMS}:hangs_on_one", roles=["solver"], timeout_s=2.0,
+                           max_workers=2)
+    runtime = Runtime(ScriptedPolicies(_script, ["solver"]), agent.default_role_specs(), lambda t, a: 1.0)
+    hang = Task("hang", "What is 1 + 1?", ("2",), "math")
+    start = time.monotonic()
+    first = runtime.run(agent, [("h0", hang), ("h1", hang), ("e0", TASKS[0])])
+    assert [r.info.get("program_timeouts", 0) for r in first] == [1, 1, 0]
+    # Both workers were held by hung programs and killed: the next step's episodes get fresh ones.
+    second = runtime.run(agent, [(f"e{i}", TASKS[i]) for i in range(4)])
+    assert not any(r.info.get("failed") for r in second)
+    assert time.monotonic() - start < 30
+
+
+def test_none_and_no_calls_are_counted():
+    from srpo.policies.scripted import ScriptedPolicies
+    from srpo.workflows.builtins import build_workflow
+    from srpo.workflows.runtime import Runtime
+
+    for program, counter in [("returns_none", "program_returned_none"), ("makes_no_call", "no_calls")]:
+        agent = build_workflow("openai_agent", entry=f"{TEAMS}:{program}", roles=["solver"])
+        runtime = Runtime(ScriptedPolicies(_script, ["solver"]), agent.default_role_specs(), lambda t, a: 1.0)
+        results = runtime.run(agent, [(f"e{i}", TASKS[i]) for i in range(2)])
+        assert [r.info.get(counter) for r in results] == [1, 1]
 
 
 def test_a_program_may_return_its_own_reward():

@@ -148,6 +148,23 @@ class Gateway:
             self._backends[token] = backend
         return token
 
+    def reserve(self) -> str:
+        """A token for a worker process's stable URL, answering nothing until :meth:`assign`."""
+        token = secrets.token_urlsafe(16)
+        with self._lock:
+            self._backends[token] = None
+        return token
+
+    def assign(self, token: str, backend) -> None:
+        """Route a reserved token to ``backend`` (the episode its worker runs now; None: no episode)."""
+        with self._lock:
+            if token in self._backends:
+                self._backends[token] = backend
+
+    def release(self, token: str) -> None:
+        with self._lock:
+            self._backends.pop(token, None)
+
     def url(self, token: str) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}/e/{token}/v1"
@@ -159,7 +176,7 @@ class Gateway:
     @property
     def open_episodes(self) -> int:
         with self._lock:
-            return len(self._backends)
+            return sum(b is not None for b in self._backends.values())
 
     def stop(self) -> None:
         self._server.should_exit = True

@@ -237,6 +237,7 @@ class Trainer:
         if self.overlap is not None:
             metrics.update(self.finish_overlapped_rollout(t1, t1 + t_update))
         metrics.update(episode_metrics(episodes, valid, dropped, self.totals))
+        self.count_failures(metrics)
         metrics.update(self.mismatch.metrics())
         for key, count in getattr(self.retriever, "stats", {}).items():  # a retrieval server's client
             metrics[f"retriever/{key}"] = count  # since the run (this process) started
@@ -327,6 +328,26 @@ class Trainer:
             write_text_atomic(self.run_dir / "checkpoints" / BEST_FILE, json.dumps(self.best, indent=1))
 
     # -- the loop ------------------------------------------------------------------------------------
+    FAILURE_KINDS = ("workflow_errors", "program_timeouts", "program_errors", "reward_errors", "reward_timeouts")
+
+    def count_failures(self, metrics: dict[str, Any]) -> None:
+        """Add the step's failed episodes (all ranks) to the run's totals; a step where more than
+        ``run.max_failed_fraction`` of them failed extends the run of failing steps."""
+        failed = float(metrics.get("episodes/failed", 0.0))
+        self.totals["failed"] += failed
+        for kind in self.FAILURE_KINDS:
+            self.totals[f"failed/{kind}"] += float(metrics.get(f"episodes/{kind}", 0.0))
+        failing = failed > self.cfg.run.max_failed_fraction * max(metrics.get("episodes", 0.0), 1.0)
+        self.totals["failing_steps_in_a_row"] = self.totals["failing_steps_in_a_row"] + 1 if failing else 0
+
+    def failure_summary(self) -> str:
+        """One line: how many of the run's episodes failed, and how."""
+        total, failed = int(self.totals["episodes"]), int(self.totals["failed"])
+        kinds = [f"{int(self.totals[f'failed/{k}'])} {k.replace('_', ' ')}" for k in self.FAILURE_KINDS
+                 if self.totals[f"failed/{k}"]]
+        text = f"episodes: {total}, failed {failed}" + (f" ({100 * failed / total:.1f} %)" if total else "")
+        return text + (f": {', '.join(kinds)}" if kinds else "")
+
     def fit(self, steps: int | None = None, on_step=None) -> list[dict[str, Any]]:
         total = steps if steps is not None else self.cfg.run.steps
         self.target_steps = total
@@ -361,6 +382,15 @@ class Trainer:
                     self.logger.close(status="killed")
                     raise preemption.Preempted(f"{signal_name}: stopped after step {self.step} with a checkpoint "
                                                f"({where}); continue with --resume")
+                if self.totals["failing_steps_in_a_row"] >= self.cfg.run.max_failed_steps:
+                    where = self.save()
+                    first = "; ".join(f"first {kind} failure: {text.strip().splitlines()[-1]}"
+                                      for kind, text in self.runtime.first_traceback.items())
+                    raise TrainingStopped(
+                        f"{int(self.totals['failing_steps_in_a_row'])} steps in a row had more than "
+                        f"{self.cfg.run.max_failed_fraction:g} of their episodes fail (run.max_failed_fraction, "
+                        f"run.max_failed_steps); stopped at step {self.step} (checkpoint: {where}). "
+                        f"{self.failure_summary()}. {first}")
                 if self.updater.nonfinite_in_a_row >= self.cfg.train.max_nonfinite_steps:
                     where = self.save()
                     raise TrainingStopped(
@@ -368,6 +398,8 @@ class Trainer:
                         f"at step {self.step} (checkpoint: {where}). Lower train.lr or check the reward and inputs.")
             if saved_at != self.step:
                 self.save()  # the last step, when neither the cadence nor a best evaluation saved it
+            if self.totals["episodes"] and self.totals["failed"] >= self.totals["episodes"]:
+                raise TrainingStopped(f"every episode of the run failed; nothing was learned. {self.failure_summary()}")
         finally:
             if bar is not None:
                 bar.close()

@@ -22,22 +22,22 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import importlib.util
 import inspect
+import logging
 import math
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Callable
+from typing import Annotated, Any, Callable, Literal
 
 from pydantic import Field
 
 from srpo.policies.sampling import SamplingParams
-from srpo.registry import RegistryError, import_object
+from srpo.workflows import agent_worker
 from srpo.workflows.builtins import Count, OptionError, Workflow, register_workflow
 from srpo.workflows.runtime import RoleSpec, WorkflowError
 
+log = logging.getLogger(__name__)
 ROLE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
 _POOLS: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
 
@@ -53,41 +53,10 @@ def absolute_entry(entry: str) -> str:
 
 def load_entry(entry: str) -> Callable[..., Any]:
     """``package.module:function`` or ``path/to/file.py:function`` → the function."""
-    module, _, attr = entry.rpartition(":")
-    if not module or not attr:
-        raise OptionError("entry", f"{entry!r}: expected package.module:function or path/to/file.py:function")
-    if module.endswith(".py"):
-        path = Path(module)
-        if not path.is_file():
-            raise OptionError("entry", f"{entry!r}: no file {path}")
-        name = f"srpo_user_{abs(hash(str(path.resolve())))}"
-        if name not in sys.modules:
-            spec = importlib.util.spec_from_file_location(name, path)
-            mod = importlib.util.module_from_spec(spec)
-            try:
-                spec.loader.exec_module(mod)
-            except SystemExit as err:
-                raise OptionError("entry", f"{entry!r}: importing {path} called sys.exit({err.code!r})") from None
-            except Exception as err:
-                raise OptionError("entry", f"{entry!r}: importing {path} raised {type(err).__name__}: {err}") from None
-            sys.modules[name] = mod
-        fn = getattr(sys.modules[name], attr, None)
-        if fn is None:
-            raise OptionError("entry", f"{entry!r}: {path} has no attribute {attr!r}")
-    else:
-        try:
-            fn = import_object(entry)
-        except RegistryError as err:
-            raise OptionError("entry", str(err)) from None
-    if not callable(fn):
-        raise OptionError("entry", f"{entry!r} is not callable")
     try:
-        inspect.signature(fn).bind(object(), "url")
-    except TypeError:
-        raise OptionError("entry", f"{entry!r} must take (task, base_url)") from None
-    except ValueError:
-        pass  # a builtin without a signature: trust it
-    return fn
+        return agent_worker.load_entry(entry)
+    except agent_worker.EntryError as err:
+        raise OptionError("entry", str(err)) from None
 
 
 def _pool(size: int) -> concurrent.futures.ThreadPoolExecutor:
@@ -119,8 +88,16 @@ class OpenAIAgent(Workflow):
     a program sends from several threads arrive a few milliseconds apart)."""
     max_batch_wait_s: Annotated[float, Field(gt=0)] = 2.0
     """The longest the pending calls wait for an episode whose program is busy with something else."""
+    isolation: Literal["process", "thread"] = "process"
+    """process: each episode's program runs in a worker process with one stable base URL (also set
+    as ``OPENAI_BASE_URL`` there), so a client configured once per process still lands every call
+    in its own episode, and a program that hangs is killed with its worker.  thread: in this process
+    (a worker thread, or srpo's event loop for ``async def``) — cheaper, but the program must use
+    the ``base_url`` it is given in every episode, and a hung sync program holds its thread."""
+    max_workers: Count = 32
+    """isolation: process — the most worker processes (episodes beyond wait for a free one)."""
     max_threads: Count = 256
-    """Worker threads for plain-function programs (one per live episode is needed)."""
+    """isolation: thread — worker threads for plain-function programs (one per live episode)."""
 
     def __post_init__(self):
         if not self.entry:
@@ -152,23 +129,26 @@ class OpenAIAgent(Workflow):
         loop = asyncio.get_running_loop()
         recorder = EpisodeRecorder(ctx.episode_id, task.task_id)
         gateway = server.shared(self.host, self.port)
-        token = gateway.open(EpisodeBackend(ctx, loop, recorder, self.roles()))
-        url = gateway.url(token)
+        backend = EpisodeBackend(ctx, loop, recorder, self.roles())
         try:
-            if inspect.iscoroutinefunction(self._program):
-                result = await asyncio.wait_for(self._program(task, url), self.timeout_s)
+            if self.isolation == "process":
+                result = await self._run_in_worker(gateway, backend, task)
             else:
-                work = loop.run_in_executor(_pool(self.max_threads), self._program, task, url)
-                result = await asyncio.wait_for(work, self.timeout_s)
-        except asyncio.TimeoutError:
-            ctx.count("program_timeouts")
-            raise WorkflowError(f"{self.entry} did not return within {self.timeout_s:g} s "
-                                f"(workflow.options.timeout_s)") from None
+                result = await self._run_in_thread(gateway, backend, task)
         finally:
-            gateway.close_episode(token)  # a program still running gets 404 from now on
             ctx.events.extend(recorder.finish())
-        if result is None or isinstance(result, str):
-            return result or ""
+        if not recorder.outputs:
+            ctx.count("no_calls")
+            _warn_once("no_calls", f"an episode of {self.entry} made no call to its base URL: nothing of it can "
+                                   f"be trained (counted as episodes/no_calls). Does the program call the roles "
+                                   f"{self.roles()} through the base_url it is given (or OPENAI_BASE_URL)?")
+        if result is None:
+            ctx.count("program_returned_none")
+            _warn_once("none", f"{self.entry} returned None: graded as an empty answer (counted as "
+                               f"episodes/program_returned_none); return the answer (str) or a reward (float)")
+            return ""
+        if isinstance(result, str):
+            return result
         if isinstance(result, (int, float)) and not isinstance(result, bool):
             if not math.isfinite(result):
                 raise WorkflowError(f"{self.entry} returned the reward {result}")
@@ -176,6 +156,49 @@ class OpenAIAgent(Workflow):
             return ""
         raise WorkflowError(f"{self.entry} returned a {type(result).__name__}; return the answer (str) "
                             f"or a reward (float)")
+
+    async def _run_in_worker(self, gateway, backend, task):
+        from srpo.workflows import agent_pool
+
+        pool = agent_pool.shared(self.entry, gateway, self.max_workers)
+        try:
+            return await pool.run(task, backend, self.timeout_s, waiting=getattr(backend.ctx.runtime, "outside_generation", None))
+        except agent_pool.ProgramTimeout as err:
+            backend.ctx.count("program_timeouts")
+            raise WorkflowError(str(err)) from None
+        except agent_pool.ProgramFailed as err:
+            backend.ctx.count("program_errors")
+            raise WorkflowError(f"{self.entry} raised {err}", err.detail) from None
+
+    async def _run_in_thread(self, gateway, backend, task):
+        loop = asyncio.get_running_loop()
+        token = gateway.open(backend)
+        url = gateway.url(token)
+        try:
+            if inspect.iscoroutinefunction(self._program):
+                return await asyncio.wait_for(self._program(task, url), self.timeout_s)
+            work = loop.run_in_executor(_pool(self.max_threads), self._program, task, url)
+            return await asyncio.wait_for(work, self.timeout_s)
+        except asyncio.TimeoutError:
+            backend.ctx.count("program_timeouts")
+            raise WorkflowError(f"{self.entry} did not return within {self.timeout_s:g} s "
+                                f"(workflow.options.timeout_s)") from None
+        except Exception as err:
+            backend.ctx.count("program_errors")
+            import traceback
+
+            raise WorkflowError(f"{self.entry} raised {type(err).__name__}: {err}", traceback.format_exc()) from None
+        finally:
+            gateway.close_episode(token)  # a program still running gets 404 from now on
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.warning(message)
 
 
 register_workflow(OpenAIAgent)

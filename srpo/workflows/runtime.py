@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import math
 import threading
@@ -88,7 +89,11 @@ class EpisodeResult:
 
 
 class WorkflowError(RuntimeError):
-    pass
+    """A workflow's episode failed; ``detail``: the user program's traceback, when it has one."""
+
+    def __init__(self, message: str, detail: str = ""):
+        super().__init__(message)
+        self.detail = detail
 
 
 class EpisodeContext:
@@ -206,12 +211,15 @@ class Runtime:
         reward_timeout_s: limit per reward call; rewards run concurrently (one daemon thread each,
             so a reward that never returns neither holds the episodes behind it nor the process's
             exit), and one that overruns is a failed reward (``episodes/reward_timeouts``).
+        drop_failed_episodes: an episode whose workflow raised (a user program that crashed or
+            timed out) keeps none of its events for the update (``episodes/dropped_members``);
+            False trains its outputs at ``failure_reward``.
     """
 
     def __init__(self, policies: PolicySet, roles: dict[str, RoleSpec], reward_fn: RewardFn, *,
                  generator: torch.Generator | None = None, max_batch: int = 256, max_prompt_tokens: int = 4096,
                  tool_timeout_s: float = 10.0, failure_reward: float = 0.0, engine=None,
-                 reward_timeout_s: float = 60.0):
+                 reward_timeout_s: float = 60.0, drop_failed_episodes: bool = True):
         from srpo.rollout.builtin import BuiltinEngine
 
         self.policies = policies
@@ -224,6 +232,7 @@ class Runtime:
         self.tool_timeout_s = tool_timeout_s
         self.reward_timeout_s = reward_timeout_s
         self.failure_reward = failure_reward
+        self.drop_failed_episodes = drop_failed_episodes
         self.tool_pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="srpo-tool")
         self.failures: dict[str, int] = {}
         self.first_traceback: dict[str, str] = {}
@@ -268,8 +277,19 @@ class Runtime:
         return list(await asyncio.gather(*futures))
 
     def _maybe_wake(self) -> None:
-        if self._pending and len(self._waiting) >= self._active:
+        if self._pending and len(self._waiting) >= self._active - self._outside:
             self._wake.set()
+
+    @contextlib.asynccontextmanager
+    async def outside_generation(self):
+        """An episode waits on something other than the model (a free worker process for its
+        program): batches do not wait for it meanwhile."""
+        self._outside += 1
+        self._maybe_wake()
+        try:
+            yield
+        finally:
+            self._outside -= 1
 
     async def _settle(self) -> None:
         """Wait until no request has arrived for one batch window (at most 20 windows): a program
@@ -332,10 +352,18 @@ class Runtime:
         failed = False
         try:
             answer = await workflow.run(ctx, task)
-        except Exception:  # a workflow that trips over odd model text costs its episode only
+        except Exception as err:  # a workflow that trips over odd model text costs its episode only
             answer, failed = "", True
             ctx.count("workflow_errors")
-            self.record_failure("workflow", traceback.format_exc())
+            ctx.info["workflow_failed"] = 1
+            detail = traceback.format_exc()
+            if isinstance(err, WorkflowError) and err.detail:  # a user program's own traceback
+                detail = f"{err}\n{err.detail}"
+            self.record_failure("workflow", detail)
+            if self.drop_failed_episodes:
+                # What a crashed program produced is not evidence about the policy: train none of it.
+                ctx.count("dropped_members", sum(e.size for e in ctx.events))
+                ctx.events.clear()
         answer = answer if isinstance(answer, str) else ("" if answer is None else str(answer))
         try:
             if failed:
@@ -379,6 +407,7 @@ class Runtime:
     async def _run_all(self, workflow, jobs: Sequence[tuple[str, Task]]) -> list[EpisodeResult]:
         self._pending: list[tuple[GenerationRequest, asyncio.Future]] = []
         self._active = len(jobs)
+        self._outside = 0  # live episodes waiting on something other than generation
         self._waiting: set = set()  # episodes (ids) with at least one pending request
         self._closing = False
         # A workflow whose episodes run outside the runtime's control (the OpenAI gateway) sets a
