@@ -127,6 +127,10 @@ def policies(cfg: Config, roles: list[str]):
                         target_modules=tuple(cfg.model.lora.target_modules))
     built = build_policies(cfg.model.layout, cfg.model.name, roles, role_groups=cfg.model.role_groups or None,
                            lora=lora, dtype=cfg.model.dtype, seed=cfg.run.seed)
+    if cfg.model.chat_template:
+        from srpo.gateway.tools import resolve_chat_template
+
+        built.tokenizer.chat_template = resolve_chat_template(cfg.model.chat_template)
     if cfg.model.init_from:  # a warm start (srpo sft), same layout
         built.load_pretrained_weights(Path(cfg.model.init_from))
     for module in built.modules():

@@ -122,6 +122,10 @@ class ModelConfig(Section):
     """lora/separate: policy id → roles it serves (default: one policy per role)."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
     """Adapter settings for model.layout: lora."""
+    chat_template: str = ""
+    """Replaces the model's chat template for every prompt: ``chatml_tools`` (ChatML with Hermes-style
+    tools, for SmolLM2 and the tiny models), a ``.jinja`` file, or the Jinja text ('': the model's own;
+    a template that renders no tools gets srpo's generic tool format, see srpo.gateway.tools)."""
     init_from: str = ""
     """Start from these weights instead of the pretrained ones: the ``model`` folder ``srpo sft``
     writes (or a checkpoint's), saved with the same layout ('': the pretrained model)."""

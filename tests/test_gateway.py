@@ -18,12 +18,10 @@ openai = pytest.importorskip("openai")
 
 from srpo.events import Member  # noqa: E402
 from srpo.gateway.dataflow import EpisodeRecorder  # noqa: E402
-from srpo.gateway.protocol import ProtocolError, parse_request, parse_tool_calls  # noqa: E402
+from srpo.gateway.protocol import ProtocolError, parse_request  # noqa: E402
 from srpo.tasks.base import Task  # noqa: E402
 
 TEAMS = Path(__file__).with_name("gateway_teams.py")
-QWEN_TOOLS_TEMPLATE = ("{% if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}{{ m['content'] }}"
-                       "{% endfor %}<tool_call> is how calls are written")
 
 
 # -- the wire format ----------------------------------------------------------------------------
@@ -60,13 +58,6 @@ def test_a_good_request_keeps_what_it_says():
     assert text.prompt == "once" and not text.chat
     with pytest.raises(ProtocolError, match="prompt"):
         parse_request({"model": "m", "prompt": ["a", "b"]}, chat=False)
-
-
-def test_tool_calls_are_parsed_only_where_the_template_defines_them():
-    reply = 'Let me look.<tool_call>{"name": "search", "arguments": {"q": "Paris"}}</tool_call>'
-    text, calls = parse_tool_calls(reply, QWEN_TOOLS_TEMPLATE)
-    assert text == "Let me look." and calls[0]["function"] == {"name": "search", "arguments": '{"q": "Paris"}'}
-    assert parse_tool_calls(reply, "{{ messages }}") == (reply, [])
 
 
 # -- sets from data flow ------------------------------------------------------------------------

@@ -18,20 +18,15 @@ import concurrent.futures
 import contextlib
 import logging
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from srpo.events import Member
 from srpo.gateway.dataflow import EpisodeRecorder
-from srpo.gateway.protocol import (
-    FINISH_REASONS,
-    Choice,
-    CompletionRequest,
-    ProtocolError,
-    parse_tool_calls,
-    template_renders_tools,
-)
+from srpo.gateway import tools
+from srpo.gateway.protocol import FINISH_REASONS, Choice, CompletionRequest, ProtocolError
 from srpo.policies.layouts import GenerationRequest
 from srpo.policies.sampling import Sample, SamplingParams
 from srpo.workflows.runtime import RoleSpec
@@ -39,24 +34,38 @@ from srpo.workflows.runtime import RoleSpec
 log = logging.getLogger(__name__)
 
 
-def render(tokenizer, req: CompletionRequest) -> list[int]:
-    """The prompt's token ids: the messages through the tokenizer's chat template (with ``tools``
-    where the template renders them), or the completion prompt as it is.  A model without a chat
-    template gets the messages' contents, one paragraph each."""
-    if not req.chat:
-        return tokenizer(req.prompt, add_special_tokens=True)["input_ids"]
+@dataclass
+class Rendered:
+    """A request's prompt: its token ids, the tool-call format of the model, and the start of a
+    tool call written for the model (tool_choice required or named; '' otherwise)."""
+
+    ids: list[int]
+    tool_format: str
+    forced: str = ""
+
+
+def render(tokenizer, req: CompletionRequest) -> Rendered:
+    """The prompt's token ids: the messages through the tokenizer's chat template — with ``tools``
+    where the template renders them, else in srpo's generic tool format (:mod:`srpo.gateway.tools`)
+    — or the completion prompt as it is.  A model without a chat template gets the messages'
+    contents, one paragraph each."""
     template = getattr(tokenizer, "chat_template", None)
-    if req.tools and not template_renders_tools(template):
-        raise ProtocolError("'tools': this model's chat template does not render tools; send the request "
-                            "without them or train a model whose template does (Qwen, Hermes, SmolLM3)",
-                            param="tools")
+    fmt = tools.tool_format(template)
+    if not req.chat:
+        return Rendered(tokenizer(req.prompt, add_special_tokens=True)["input_ids"], fmt)
+    offered = req.tools if req.tool_choice != "none" else None
+    messages, tools_arg = req.messages, offered
+    if fmt == "generic":  # the template knows no tools (nor tool messages): rewrite the messages
+        messages, tools_arg = tools.with_generic_tools(req.messages, offered), None
+    forced = tools.forced_prefix(fmt, req.tool_choice) if offered else ""
     if not template:
-        return tokenizer("".join(f"{m['content']}\n\n" for m in req.messages), add_special_tokens=True)["input_ids"]
+        text = "".join(f"{m['content']}\n\n" for m in messages) + forced
+        return Rendered(tokenizer(text, add_special_tokens=True)["input_ids"], fmt, forced)
     try:
-        text = tokenizer.apply_chat_template(req.messages, tools=req.tools, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tools=tools_arg, tokenize=False, add_generation_prompt=True)
     except Exception as err:  # a template that refuses a message shape (e.g. no system role)
         raise ProtocolError(f"'messages': the model's chat template refused them ({err})", param="messages") from None
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return Rendered(tokenizer(text + forced, add_special_tokens=False)["input_ids"], fmt, forced)
 
 
 def sampling(req: CompletionRequest, spec: RoleSpec) -> SamplingParams:
@@ -71,17 +80,18 @@ def sampling(req: CompletionRequest, spec: RoleSpec) -> SamplingParams:
         stop=base.stop if req.stop is None else req.stop)
 
 
-def choice(sample: Sample, params: SamplingParams, req: CompletionRequest, template: str | None) -> Choice:
+def choice(sample: Sample, params: SamplingParams, req: CompletionRequest, rendered: Rendered,
+           tokenizer=None) -> Choice:
     """An OpenAI choice from a sample: the stop string that ended it removed, as OpenAI does, and
-    tool calls parsed when the request offered tools."""
+    tool calls parsed when the request offered tools (the forced start of a call included)."""
     text = sample.text
     for stop in params.stop:
         if sample.finish_reason in ("stop", "eos") and text.endswith(stop):
             text = text[: -len(stop)]
             break
     calls: list[dict[str, Any]] = []
-    if req.tools:
-        text, calls = parse_tool_calls(text, template)
+    if req.tools and req.tool_choice != "none":
+        text, calls = tools.parse_tool_calls(rendered.forced + text, rendered.tool_format, tokenizer)
     finish = "tool_calls" if calls else FINISH_REASONS.get(sample.finish_reason, "stop")
     return Choice(text=text, finish_reason=finish, completion_tokens=len(sample.completion_ids), tool_calls=calls)
 
@@ -110,7 +120,8 @@ class EpisodeBackend:
         ctx, runtime = self.ctx, self.ctx.runtime
         spec = runtime.role_spec(req.model)
         tokenizer = runtime.policies.tokenizer
-        ids = render(tokenizer, req)
+        rendered = render(tokenizer, req)
+        ids = rendered.ids
         if len(ids) > runtime.max_prompt_tokens:
             ctx.count("prompt_too_long")
             raise ProtocolError(f"the prompt has {len(ids)} tokens; this run allows {runtime.max_prompt_tokens} "
@@ -124,10 +135,9 @@ class EpisodeBackend:
         samples = await runtime.generate([GenerationRequest(req.model, ids, params)] * req.n, ctx.episode_id)
         policies = runtime.policies
         pid = policies.policy_of(req.model)
-        template = getattr(tokenizer, "chat_template", None)
         choices = []
         for s in samples:
-            c = choice(s, params, req, template)
+            c = choice(s, params, req, rendered, tokenizer)
             member = Member(role=req.model, policy_id=pid, policy_version=policies.version(pid), prompt_ids=ids,
                             completion_ids=s.completion_ids, action_mask=[1] * len(s.completion_ids),
                             behaviour_logprobs=s.logprobs, text=s.text, truncated=s.truncated,
@@ -165,7 +175,8 @@ class ServeBackend:
             self._queue = asyncio.Queue()
             self._batcher = asyncio.get_running_loop().create_task(self._serve())
         tokenizer = self.policies.tokenizer
-        ids = render(tokenizer, req)
+        rendered = render(tokenizer, req)
+        ids = rendered.ids
         if len(ids) > self.max_prompt_tokens:
             raise ProtocolError(f"the prompt has {len(ids)} tokens; at most {self.max_prompt_tokens} are served",
                                 param="messages" if req.chat else "prompt", code="context_length_exceeded")
@@ -177,8 +188,7 @@ class ServeBackend:
             await self._queue.put((GenerationRequest(req.model, ids, params), fut))
             futures.append(fut)
         samples = await asyncio.gather(*futures)
-        template = getattr(tokenizer, "chat_template", None)
-        return [choice(s, params, req, template) for s in samples], len(ids)
+        return [choice(s, params, req, rendered, tokenizer) for s in samples], len(ids)
 
     def _generate(self, requests: list[GenerationRequest]) -> list[Sample]:
         with torch.no_grad(), self.autocast:

@@ -11,7 +11,6 @@ HTTP status, never a traceback.  Fields that change nothing here (``user``, ``se
 from __future__ import annotations
 
 import json
-import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -58,6 +57,7 @@ class CompletionRequest:
     n: int = 1
     stream: bool = False
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str = "auto"  # none | auto | required | a function's name (srpo.gateway.tools.tool_choice)
     event_tag: str | None = None  # x-srpo-event header or extra_body srpo_event: the set this output joins
 
     @property
@@ -197,11 +197,20 @@ def parse_request(body: Any, *, chat: bool, headers: dict[str, str] | None = Non
     )
     if chat:
         req.messages = _messages(body)
+        from srpo.gateway import tools as tool_rules
+
         tools = body.get("tools")
         if tools is not None:
             if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
                 raise ProtocolError("'tools' must be a list of tool objects", param="tools")
+            for i, t in enumerate(tools):
+                if t.get("type", "function") != "function" or not isinstance(t.get("function"), dict) \
+                        or not isinstance(t["function"].get("name"), str):
+                    raise ProtocolError(f"tools[{i}]: only function tools ({{'type': 'function', 'function': "
+                                        f"{{'name', 'parameters'}}}}) are served", param=f"tools[{i}]")
             req.tools = tools or None
+        req.tool_choice = tool_rules.tool_choice(body.get("tool_choice"), req.tools)
+        tool_rules.check_response_format(body.get("response_format"))
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -212,38 +221,6 @@ def parse_request(body: Any, *, chat: bool, headers: dict[str, str] | None = Non
             raise ProtocolError("'echo' is not supported", param="echo")
         req.prompt = prompt
     return req
-
-
-# -- tool calls ---------------------------------------------------------------------------------
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-
-def template_renders_tools(chat_template: str | None) -> bool:
-    """Whether a chat template renders a ``tools`` list (it names the variable)."""
-    return bool(chat_template) and re.search(r"\btools\b", chat_template) is not None
-
-
-def parse_tool_calls(text: str, chat_template: str | None) -> tuple[str, list[dict[str, Any]]]:
-    """The reply's tool calls in the ``<tool_call>{"name", "arguments"}</tool_call>`` format (Qwen,
-    Hermes, SmolLM3 templates) when the template defines it; else none.  Returns the text without
-    the calls and OpenAI-shaped ``tool_calls``."""
-    if not chat_template or "<tool_call>" not in chat_template:
-        return text, []
-    calls = []
-    for raw in TOOL_CALL.findall(text):
-        try:
-            data = json.loads(raw)
-        except json.JSONDecodeError:
-            continue  # a malformed call stays in the text: the agent sees what the model wrote
-        if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-            continue
-        args = data.get("arguments", {})
-        calls.append({"id": f"call_{secrets.token_hex(12)}", "type": "function",
-                      "function": {"name": data["name"],
-                                   "arguments": args if isinstance(args, str) else json.dumps(args)}})
-    if calls:
-        text = TOOL_CALL.sub("", text).strip()
-    return text, calls
 
 
 # -- responses ----------------------------------------------------------------------------------

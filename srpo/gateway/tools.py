@@ -1,0 +1,319 @@
+"""Tools on any model: how tool definitions reach the prompt, and how tool calls are read back.
+
+**Into the prompt.**  A chat template that renders ``tools`` (Qwen, Hermes, Llama 3, Mistral ...)
+gets them as its authors meant.  Any other model — SmolLM2, Gemma 3, the tiny test models, a
+base model — gets the **generic tool format** by rewriting the messages before its own template
+runs (:func:`with_generic_tools`):
+
+- the tool list goes into the system message (one JSON schema per line inside ``<tools></tools>``)
+  with the instruction to call as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``;
+- an assistant message's ``tool_calls`` become that text in its content;
+- ``tool`` messages become a user message ``<tool_response>...</tool_response>`` (consecutive
+  ones merged, so templates that insist on alternating roles still render).
+
+This is the Hermes format (what Qwen 2.5/3 and NousResearch's models were trained on), so a model
+fine-tuned with srpo on it speaks the most common open format.  ``model.chat_template`` replaces a
+model's template (a Jinja string, a file, or ``chatml_tools``: ChatML with the Hermes tool block,
+shipped here as :data:`CHATML_TOOLS`).
+
+**Out of the reply.**  Calls are parsed by the tokenizer's own response parser when the model
+ships one (transformers' ``tokenizer.parse_response`` with the model's ``response_template``),
+else by the parser of the template's family: Hermes/Qwen ``<tool_call>`` JSON (one object or a
+list per block), Llama 3 JSON (``{"name", "parameters"}``, optionally after ``<|python_tag|>``),
+Mistral ``[TOOL_CALLS]`` (a JSON list, or ``name[ARGS]{...}``).  JSON is read with a real decoder,
+so a literal ``</tool_call>`` inside an argument string does not cut the call.  Text that does not
+parse is returned as content; the recorded token ids are never touched.
+
+**Forcing a call.**  ``tool_choice: required`` or a named function is honoured by writing the
+start of a call after the generation prompt (:func:`forced_prefix`): the model continues from
+``<tool_call>\\n{"name": "`` (or with the name and ``"arguments": `` already written).  The forced
+text is part of the prompt the member is trained on, not of its completion.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from typing import Any
+
+from srpo.gateway.protocol import ProtocolError
+
+FORMATS = ("hermes", "llama3", "mistral", "generic")
+
+CHATML_TOOLS = (
+    "{% set tool_block %}{% if tools %}You can call these tools (functions):\n<tools>"
+    "{% for tool in tools %}\n{{ (tool.function if tool.function is defined else tool) | tojson }}{% endfor %}"
+    "\n</tools>\nTo call a tool, reply with one block per call:\n<tool_call>\n"
+    "{\"name\": <function name>, \"arguments\": <arguments as a JSON object>}\n</tool_call>{% endif %}{% endset %}"
+    "{% if messages and messages[0].role == 'system' %}"
+    "<|im_start|>system\n{{ messages[0].content }}{% if tools %}\n\n{{ tool_block }}{% endif %}<|im_end|>\n"
+    "{% set rest = messages[1:] %}{% else %}"
+    "{% if tools %}<|im_start|>system\n{{ tool_block }}<|im_end|>\n{% endif %}{% set rest = messages %}{% endif %}"
+    "{% for message in rest %}"
+    "{% if message.role == 'tool' %}"
+    "{% if not (loop.previtem is defined and loop.previtem.role == 'tool') %}<|im_start|>user\n{% endif %}"
+    "<tool_response>\n{{ message.content }}\n</tool_response>"
+    "{% if loop.nextitem is defined and loop.nextitem.role == 'tool' %}\n{% else %}<|im_end|>\n{% endif %}"
+    "{% elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
+    "{% if message.content %}{{ message.content }}\n{% endif %}"
+    "{% for call in message.tool_calls %}{% if not loop.first %}\n{% endif %}<tool_call>\n"
+    "{\"name\": {{ call.function.name | tojson }}, \"arguments\": "
+    "{{ call.function.arguments if call.function.arguments is string else call.function.arguments | tojson }}}"
+    "\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+).replace("%}\n", "%}{{ '\\n' }}")  # transformers renders with trim_blocks: a newline right after a tag would vanish
+"""ChatML with Hermes-style tools (``model.chat_template: chatml_tools``): SmolLM2's and the tiny
+models' template, plus the tool block, tool calls and tool responses."""
+
+NAMED_TEMPLATES = {"chatml_tools": CHATML_TOOLS}
+
+
+def resolve_chat_template(value: str) -> str:
+    """``model.chat_template``: a named template, a file path, or the Jinja text itself."""
+    from pathlib import Path
+
+    if value in NAMED_TEMPLATES:
+        return NAMED_TEMPLATES[value]
+    if "{" not in value and Path(value).is_file():
+        return Path(value).read_text(encoding="utf-8")
+    return value
+
+
+def template_renders_tools(chat_template: str | None) -> bool:
+    """Whether a chat template renders a ``tools`` list (it names the variable)."""
+    return bool(chat_template) and re.search(r"\btools\b", chat_template) is not None
+
+
+def tool_format(chat_template: str | None) -> str:
+    """The tool-call format of a template: hermes, llama3, mistral, or generic (it renders no
+    tools: srpo's generic format, which is Hermes text)."""
+    if not template_renders_tools(chat_template):
+        return "generic"
+    if "<tool_call>" in chat_template:
+        return "hermes"
+    if "[TOOL_CALLS]" in chat_template:
+        return "mistral"
+    if "<|python_tag|>" in chat_template or "ipython" in chat_template:
+        return "llama3"
+    return "hermes"  # an unknown family that renders tools: Hermes is the likeliest
+
+
+# -- into the prompt ------------------------------------------------------------------------------
+def _function(tool: dict[str, Any]) -> dict[str, Any]:
+    return tool.get("function", tool) if isinstance(tool.get("function"), dict) else tool
+
+
+def _call_text(call: dict[str, Any]) -> str:
+    fn = call.get("function") or {}
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            pass  # written back as the model wrote it
+    return "<tool_call>\n" + json.dumps({"name": fn.get("name", ""), "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
+
+
+def tool_block(tools: list[dict[str, Any]]) -> str:
+    lines = "\n".join(json.dumps(_function(t), ensure_ascii=False) for t in tools)
+    return ("You can call these tools (functions):\n<tools>\n" + lines + "\n</tools>\n"
+            "To call a tool, reply with one block per call:\n<tool_call>\n"
+            '{"name": <function name>, "arguments": <arguments as a JSON object>}\n</tool_call>')
+
+
+def with_generic_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Messages rewritten for a template that renders no tools (the generic format above)."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            text = "\n".join(([m["content"]] if m.get("content") else []) + [_call_text(c) for c in m["tool_calls"]])
+            out.append({"role": "assistant", "content": text})
+        elif m["role"] == "tool":
+            block = f"<tool_response>\n{m.get('content', '')}\n</tool_response>"
+            if out and out[-1]["role"] == "user" and out[-1].get("_tool"):
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block, "_tool": True})
+        else:
+            out.append({"role": m["role"], "content": m.get("content") or ""})
+    out = [{k: v for k, v in m.items() if k != "_tool"} for m in out]
+    if tools:
+        block = tool_block(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{block}" if out[0]["content"] else block}
+        else:
+            out.insert(0, {"role": "system", "content": block})
+    return out
+
+
+def forced_prefix(fmt: str, choice: Any) -> str:
+    """The start of a tool call written for the model (tool_choice ``required`` or a named
+    function); '' for ``auto``/``none``."""
+    if choice in (None, "auto", "none"):
+        return ""
+    name = choice if isinstance(choice, str) and choice != "required" else None
+    if fmt in ("hermes", "generic"):
+        return '<tool_call>\n{"name": "' + (f'{name}", "arguments": ' if name else "")
+    if fmt == "llama3":
+        return '{"name": "' + (f'{name}", "parameters": ' if name else "")
+    if fmt == "mistral":
+        return '[TOOL_CALLS][{"name": "' + (f'{name}", "arguments": ' if name else "")
+    raise ProtocolError(f"'tool_choice': this model's tool-call format ({fmt}) cannot be forced", param="tool_choice")
+
+
+def tool_choice(value: Any, tools: list[dict[str, Any]] | None, *, flat: bool = False) -> Any:
+    """Check ``tool_choice``: 'none' | 'auto' | 'required' | {function: {name}} (chat) or
+    {type: function, name} (Responses, ``flat``).  Returns 'none', 'auto', 'required' or the
+    function's name."""
+    if value is None:
+        return "auto"
+    if value in ("none", "auto", "required"):
+        if value == "required" and not tools:
+            raise ProtocolError("'tool_choice' is 'required' but no tools were given", param="tool_choice")
+        return value
+    if isinstance(value, dict) and value.get("type") == "function":
+        name = value.get("name") if flat else (value.get("function") or {}).get("name")
+        if not flat and name is None:
+            name = value.get("name")
+        names = [_function(t).get("name") for t in tools or []]
+        if not isinstance(name, str) or name not in names:
+            raise ProtocolError(f"'tool_choice' names the function {name!r}, which is not among the tools "
+                                f"({', '.join(map(str, names)) or 'none given'})", param="tool_choice")
+        return name
+    raise ProtocolError("'tool_choice' must be 'none', 'auto', 'required' or a function "
+                        "({'type': 'function', 'function': {'name': ...}})", param="tool_choice")
+
+
+# -- out of the reply -----------------------------------------------------------------------------
+_DECODER = json.JSONDecoder()
+
+
+def _openai_call(obj: Any) -> dict[str, Any] | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if args is None:
+        args = {}
+    return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
+            "function": {"name": obj["name"], "arguments": args if isinstance(args, str) else
+                         json.dumps(args, ensure_ascii=False)}}
+
+
+def _json_at(text: str, pos: int) -> tuple[Any, int] | None:
+    """The JSON value starting at ``pos`` (after whitespace) and the index after it, or None."""
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    try:
+        return _DECODER.raw_decode(text, pos)
+    except json.JSONDecodeError:
+        return None
+
+
+def _calls_of(value: Any) -> list[dict[str, Any]] | None:
+    items = value if isinstance(value, list) else [value]
+    calls = [_openai_call(v) for v in items]
+    return calls if calls and all(c is not None for c in calls) else None
+
+
+def parse_hermes(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """``<tool_call>{json}</tool_call>`` blocks (a JSON object or a list of them each)."""
+    calls, kept, pos = [], [], 0
+    while True:
+        start = text.find("<tool_call>", pos)
+        if start < 0:
+            break
+        parsed = _json_at(text, start + len("<tool_call>"))
+        found = _calls_of(parsed[0]) if parsed else None
+        if found is None:  # malformed: stays in the text, and so does everything after it
+            break
+        end = parsed[1]
+        rest = text[end:]
+        closing = re.match(r"\s*</tool_call>", rest)
+        if closing:
+            end += closing.end()
+        elif rest.strip():  # no closing tag and more text: not a call the model finished
+            break
+        kept.append(text[pos:start])
+        calls.extend(found)
+        pos = end
+    kept.append(text[pos:])
+    return ("".join(kept).strip() if calls else text), calls
+
+
+def parse_llama3(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """The whole reply as JSON calls ``{"name", "parameters"}`` (``;``-separated), optionally after
+    ``<|python_tag|>``; anything else is content."""
+    body = text.strip()
+    if body.startswith("<|python_tag|>"):
+        body = body[len("<|python_tag|>"):]
+    calls, pos = [], 0
+    while True:
+        parsed = _json_at(body, pos)
+        found = _calls_of(parsed[0]) if parsed else None
+        if found is None:
+            return text, []
+        calls.extend(found)
+        pos = parsed[1]
+        rest = body[pos:].lstrip()
+        if not rest:
+            return "", calls
+        if rest[0] != ";":
+            return text, []
+        pos = len(body) - len(rest) + 1
+
+
+def parse_mistral(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """``[TOOL_CALLS] [{"name", "arguments"}, ...]`` or ``[TOOL_CALLS]name[ARGS]{...}`` (repeated)."""
+    start = text.find("[TOOL_CALLS]")
+    if start < 0:
+        return text, []
+    content, body = text[:start].strip(), text[start + len("[TOOL_CALLS]"):]
+    parsed = _json_at(body, 0)
+    if parsed is not None:
+        found = _calls_of(parsed[0])
+        if found is not None and not body[parsed[1]:].strip():
+            return content, found
+        return text, []
+    calls = []
+    for chunk in body.split("[TOOL_CALLS]"):
+        name, sep, args = chunk.partition("[ARGS]")
+        parsed = _json_at(args, 0) if sep else None
+        if parsed is None or not name.strip() or args[parsed[1]:].strip():
+            return text, []
+        calls.append(_openai_call({"name": name.strip(), "arguments": parsed[0]}))
+    return content, calls
+
+
+PARSERS = {"hermes": parse_hermes, "generic": parse_hermes, "llama3": parse_llama3, "mistral": parse_mistral}
+
+
+def parse_tool_calls(text: str, fmt: str, tokenizer=None, prompt_text: str | None = None) -> tuple[str, list[dict[str, Any]]]:
+    """The reply's content and OpenAI-shaped ``tool_calls``.  The tokenizer's own response parser
+    first, when the model ships a ``response_template``; then the family's parser."""
+    if tokenizer is not None and getattr(tokenizer, "response_template", None) and hasattr(tokenizer, "parse_response"):
+        try:
+            parsed = tokenizer.parse_response(text, prefix=prompt_text)
+            calls = [_openai_call({"name": (c.get("function") or c).get("name"),
+                                   "arguments": (c.get("function") or c).get("arguments", {})})
+                     for c in parsed.get("tool_calls") or []]
+            if calls and all(c is not None for c in calls):
+                return parsed.get("content") or "", calls
+            if not parsed.get("tool_calls"):
+                return text, []
+        except Exception:  # noqa: BLE001 — a parser that trips over odd text: fall back to ours
+            pass
+    return PARSERS.get(fmt, parse_hermes)(text)
+
+
+def check_response_format(value: Any, param: str = "response_format") -> None:
+    """Only plain text is produced: JSON modes need constrained decoding, which srpo's engines do
+    not do — refused, never silently ignored."""
+    if value is None:
+        return
+    kind = value.get("type") if isinstance(value, dict) else value
+    if kind == "text":
+        return
+    raise ProtocolError(f"'{param}': only {{'type': 'text'}} is served — srpo's engines do not constrain "
+                        f"decoding to {kind!r}; ask for JSON in the prompt and parse the reply", param=param)

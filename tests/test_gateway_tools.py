@@ -1,0 +1,184 @@
+"""Tools through the gateway: prompts for every model, calls parsed per family, tool_choice and
+response_format honoured or refused (srpo.gateway.tools)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("starlette")
+
+from srpo.gateway import tools  # noqa: E402
+from srpo.gateway.backends import render  # noqa: E402
+from srpo.gateway.protocol import ProtocolError, parse_request  # noqa: E402
+from srpo.policies.tiny import byte_tokenizer  # noqa: E402
+
+WEATHER = {"type": "function", "function": {"name": "weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+SEARCH = {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}
+
+
+def _args(call):
+    return json.loads(call["function"]["arguments"])
+
+
+# -- the fixture suite: what models write, what the program must get ------------------------------
+HERMES_CASES = [
+    # (reply, expected content, expected [(name, arguments)])
+    ('<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>', "", [("weather", {"city": "Paris"})]),
+    # parallel calls, text before them
+    ('Let me check.\n<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}</tool_call>\n'
+     '<tool_call>{"name": "search", "arguments": {"q": "x"}}</tool_call>', "Let me check.",
+     [("weather", {"city": "Paris"}), ("search", {"q": "x"})]),
+    # SmolLM2's own training format: a list inside one block
+    ('<tool_call>[{"name": "weather", "arguments": {"city": "Oslo"}}, {"name": "search", "arguments": {}}]</tool_call>',
+     "", [("weather", {"city": "Oslo"}), ("search", {})]),
+    # a literal </tool_call> inside an argument does not cut the call
+    ('<tool_call>{"name": "search", "arguments": {"q": "what does </tool_call> mean"}}</tool_call>', "",
+     [("search", {"q": "what does </tool_call> mean"})]),
+    # the closing tag cut off by the token budget at the very end: still a call
+    ('<tool_call>{"name": "weather", "arguments": {"city": "Rome"}}', "", [("weather", {"city": "Rome"})]),
+    # "parameters" instead of "arguments"
+    ('<tool_call>{"name": "weather", "parameters": {"city": "Lima"}}</tool_call>', "", [("weather", {"city": "Lima"})]),
+]
+MALFORMED = [
+    '<tool_call>{"name": "weather", "arguments": {"city": "Paris"</tool_call>',  # broken JSON
+    '<tool_call>{"arguments": {}}</tool_call>',  # no name
+    '<tool_call>{"name": "weather"} and then more words',  # unclosed with text after it
+    "The weather is fine.",  # no call at all
+]
+
+
+@pytest.mark.parametrize("reply, content, expected", HERMES_CASES)
+def test_hermes_calls_are_parsed(reply, content, expected):
+    text, calls = tools.parse_tool_calls(reply, "hermes")
+    assert text == content
+    assert [(c["function"]["name"], _args(c)) for c in calls] == expected
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+
+
+@pytest.mark.parametrize("reply", MALFORMED)
+def test_text_that_does_not_parse_is_returned_as_content(reply):
+    assert tools.parse_tool_calls(reply, "hermes") == (reply, [])
+
+
+def test_a_good_call_before_a_malformed_one_is_kept_and_the_rest_stays_text():
+    reply = '<tool_call>{"name": "search", "arguments": {}}</tool_call> <tool_call>{"name": oops}</tool_call>'
+    text, calls = tools.parse_tool_calls(reply, "hermes")
+    assert [c["function"]["name"] for c in calls] == ["search"] and text == '<tool_call>{"name": oops}</tool_call>'
+
+
+@pytest.mark.parametrize("reply, expected", [
+    ('{"name": "weather", "parameters": {"city": "Paris"}}', [("weather", {"city": "Paris"})]),
+    ('<|python_tag|>{"name": "search", "parameters": {"q": "a"}}; {"name": "weather", "parameters": {}}',
+     [("search", {"q": "a"}), ("weather", {})]),
+    ('The answer is {"name": "x"}', None),  # JSON inside prose is not a call
+])
+def test_llama3_calls_are_parsed(reply, expected):
+    text, calls = tools.parse_tool_calls(reply, "llama3")
+    if expected is None:
+        assert (text, calls) == (reply, [])
+    else:
+        assert text == "" and [(c["function"]["name"], _args(c)) for c in calls] == expected
+
+
+@pytest.mark.parametrize("reply, content, expected", [
+    ('[TOOL_CALLS] [{"name": "weather", "arguments": {"city": "Paris"}}]', "", [("weather", {"city": "Paris"})]),
+    ('Sure. [TOOL_CALLS]weather[ARGS]{"city": "Bonn"}[TOOL_CALLS]search[ARGS]{"q": "b"}', "Sure.",
+     [("weather", {"city": "Bonn"}), ("search", {"q": "b"})]),
+    ('[TOOL_CALLS] [{"name": "weather", "arguments": {"city": ', None, None),
+])
+def test_mistral_calls_are_parsed(reply, content, expected):
+    text, calls = tools.parse_tool_calls(reply, "mistral")
+    if expected is None:
+        assert (text, calls) == (reply, [])
+    else:
+        assert text == content and [(c["function"]["name"], _args(c)) for c in calls] == expected
+
+
+@pytest.mark.parametrize("template, fmt", [
+    (None, "generic"), ("{{ messages }}", "generic"), ("{% if tools %}<tool_call>{% endif %}", "hermes"),
+    ("{% if tools %}[TOOL_CALLS]{% endif %}", "mistral"), ("{% if tools %}<|python_tag|>{% endif %}", "llama3"),
+    (tools.CHATML_TOOLS, "hermes"),
+])
+def test_the_format_follows_the_template(template, fmt):
+    assert tools.tool_format(template) == fmt
+
+
+# -- into the prompt ------------------------------------------------------------------------------
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris and Oslo?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "c2", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    {"role": "tool", "tool_call_id": "c2", "content": "snow"},
+]
+
+
+def _request(**extra):
+    return parse_request({"model": "solver", "messages": CONVERSATION, "tools": [WEATHER, SEARCH], **extra}, chat=True)
+
+
+def test_a_model_whose_template_renders_no_tools_gets_the_generic_format():
+    tok = byte_tokenizer()  # ChatML without tools, like SmolLM2's
+    rendered = render(tok, _request())
+    text = tok.decode(rendered.ids)
+    assert rendered.tool_format == "generic" and rendered.forced == ""
+    assert "<tools>" in text and '"name": "weather"' in text and "Be brief." in text
+    assert '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    # both tool results, in one user turn, in order
+    assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\nsnow\n</tool_response>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_the_shipped_chatml_tools_template_renders_the_same_conversation():
+    tok = byte_tokenizer()
+    tok.chat_template = tools.resolve_chat_template("chatml_tools")
+    rendered = render(tok, _request())
+    text = tok.decode(rendered.ids)
+    assert rendered.tool_format == "hermes"
+    assert text.startswith("<|im_start|>system\nBe brief.\n\nYou can call these tools")
+    assert '{"name": "weather", "arguments": {"city": "Oslo"}}' in text
+    assert text.count("<tool_response>") == 2 and text.endswith("<|im_start|>assistant\n")
+
+
+def test_tool_choice_none_renders_no_tools_and_required_or_named_force_a_call():
+    tok = byte_tokenizer()
+    assert "<tools>" not in tok.decode(render(tok, _request(tool_choice="none")).ids)
+    required = render(tok, _request(tool_choice="required"))
+    assert required.forced == '<tool_call>\n{"name": "' and tok.decode(required.ids).endswith(required.forced)
+    named = render(tok, _request(tool_choice={"type": "function", "function": {"name": "search"}}))
+    assert named.forced == '<tool_call>\n{"name": "search", "arguments": '
+    # the forced start plus what the model wrote is one call
+    text, calls = tools.parse_tool_calls(named.forced + '{"q": "x"}}\n</tool_call>', named.tool_format)
+    assert [(c["function"]["name"], _args(c)) for c in calls] == [("search", {"q": "x"})]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "required", "tools": None}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+])
+def test_what_cannot_be_honoured_is_refused_naming_the_field(body, param):
+    full = {"model": "solver", "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER], **body}
+    with pytest.raises(ProtocolError) as err:
+        parse_request(full, chat=True)
+    assert err.value.param == param and err.value.status == 400
+
+
+def test_response_format_text_is_accepted():
+    parse_request({"model": "s", "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "text"}},
+                  chat=True)
+
+
+def test_the_shipped_template_and_the_generic_format_give_the_same_prompt():
+    """Two routes to the same text: a model trained through one is prompted the same way by the other."""
+    generic, shipped = byte_tokenizer(), byte_tokenizer()
+    shipped.chat_template = tools.resolve_chat_template("chatml_tools")
+    assert generic.decode(render(generic, _request()).ids) == shipped.decode(render(shipped, _request()).ids)
