@@ -3,6 +3,7 @@ built-in workflows, real clients (openai, LangGraph) trained end to end, and ser
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -74,17 +75,18 @@ def test_outputs_first_consumed_together_are_one_set():
     rec = EpisodeRecorder("e", "t")
     q = "What is 3 + 0?"
     for role in ("w1", "w2"):
-        assert rec.before_call(role, [q]) is None
+        rec.before_call(role, [q])
     rec.record(_member("w1", " 3 "))
     rec.record(_member("w2", "three"))
     # A later call that only repeats the question (which holds "3") consumes nothing: that message
     # was written before the outputs existed.
-    assert rec.before_call("w3", [q]) is None
+    rec.before_call("w3", [q])
     rec.record(_member("w3", ""))  # empty: in every text, never inferred consumed
-    event = rec.before_call("judge", [q, "Answers: 3 and three"])
-    assert [m.role for m in event.members] == ["w1", "w2"] and event.expected_size == 2
+    rec.before_call("judge", [q, "Answers: 3 and three"])
     rec.record(_member("judge", "3"))
-    assert _sets(rec.finish()) == [("to:judge", 0, ["w1", "w2"]), ("final", 0, ["w3", "judge"])]
+    events = rec.finish()
+    assert _sets(events) == [("to:judge", 0, ["w1", "w2"]), ("final", 0, ["judge", "w3"])]
+    assert events[0].expected_size == 2
     rec.record(_member("late", "x"))  # after the end: not part of the episode
     assert sum(e.size for e in rec.events) == 4
 
@@ -98,6 +100,57 @@ def test_tags_override_inference_and_identical_outputs_go_together():
     rec.record(_member("b", "42"))
     rec.before_call("judge", ["Q", "WORKERS: 1 said 42"])  # the tagged router output is not inferred
     assert _sets(rec.finish()) == [("route", 0, ["router"]), ("to:judge", 0, ["a", "b"])]
+
+
+def _parallel_episode(order):
+    """Two aggregators quote overlapping worker outputs in parallel; ``order`` is the order in which
+    the two aggregator calls arrive (and in which the workers' outputs were recorded)."""
+    rec = EpisodeRecorder("e", "t")
+    for role in ("w1", "w2", "w3"):
+        rec.before_call(role, ["Q"])
+    for role in (order if len(order) == 3 else ("w1", "w2", "w3")):
+        rec.record(_member(role, f"answer of {role}"))
+    calls = {"agg_a": ["Q", "answer of w1 / answer of w2"], "agg_b": ["Q", "answer of w2 / answer of w3"]}
+    handles = {}
+    for role in (order if len(order) == 2 else ("agg_a", "agg_b")):
+        handles[role] = rec.before_call(role, calls[role])
+    for role in ("agg_b", "agg_a"):
+        rec.record(_member(role, f"verdict of {role}"), call=handles[role])
+    return _sets(rec.finish())
+
+
+def test_sets_do_not_depend_on_the_order_parallel_calls_arrive_in():
+    expected = _parallel_episode(("agg_a", "agg_b"))
+    for order in [("agg_b", "agg_a"), ("w3", "w1", "w2"), ("w2", "w3", "w1")]:
+        assert _parallel_episode(order) == expected
+    # w2 is quoted by both: the smaller call (agg_a) takes it, whichever arrived first
+    assert expected == [("to:agg_a", 0, ["w1", "w2"]), ("to:agg_b", 0, ["w3"]), ("final", 0, ["agg_a", "agg_b"])]
+
+
+def test_a_causally_earlier_call_consumes_before_a_later_one_quoting_the_same_output():
+    rec = EpisodeRecorder("e", "t")
+    rec.before_call("solver", ["Q"])
+    rec.record(_member("solver", "x = 4"))
+    first = rec.before_call("checker", ["Q", "solution: x = 4"])
+    rec.record(_member("checker", "looks right"), call=first)
+    # the final call quotes both the solver (again) and the checker: it comes after the checker
+    rec.before_call("judge", ["Q", "solution: x = 4", "review: looks right"])
+    rec.record(_member("judge", "4"))
+    assert _sets(rec.finish()) == [("to:checker", 0, ["solver"]), ("to:judge", 0, ["checker"]), ("final", 0, ["judge"])]
+
+
+def test_an_agent_called_as_a_tool_gets_its_own_set():
+    """The Agents SDK's agent.as_tool(): the caller's tool call carries the input, the tool agent
+    answers it, its answer comes back as the tool result."""
+    rec = EpisodeRecorder("e", "t")
+    q = "What is 1 + 2?"
+    lead = rec.before_call("lead", ["Use the solver.", q])
+    rec.record(_member("lead", ""), call=lead, arguments=[json.dumps({"input": q})])
+    solver = rec.before_call("solver", ["Solve it.", q])  # the argument is its whole input
+    rec.record(_member("solver", "It is 3."), call=solver)
+    again = rec.before_call("lead", ["Use the solver.", q, json.dumps({"input": q}), "It is 3."])
+    rec.record(_member("lead", "3"), call=again)
+    assert _sets(rec.finish()) == [("to:solver", 0, ["lead"]), ("to:lead", 0, ["solver"]), ("final", 0, ["lead"])]
 
 
 # -- the server, with a backend that needs no model ---------------------------------------------

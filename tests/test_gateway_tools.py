@@ -182,3 +182,94 @@ def test_the_shipped_template_and_the_generic_format_give_the_same_prompt():
     generic, shipped = byte_tokenizer(), byte_tokenizer()
     shipped.chat_template = tools.resolve_chat_template("chatml_tools")
     assert generic.decode(render(generic, _request()).ids) == shipped.decode(render(shipped, _request()).ids)
+
+
+# -- the Responses API, through the openai client's own parsing -----------------------------------
+class ToolBackend:
+    """Answers with a weather call when tools are offered, else with text."""
+
+    roles = ["agent"]
+
+    def __init__(self):
+        self.requests = []
+
+    async def complete(self, req):
+        from srpo.gateway.protocol import Choice
+
+        self.requests.append(req)
+        if req.tools and req.tool_choice != "none":
+            text, calls = tools.parse_tool_calls('<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}'
+                                                 '</tool_call>', "hermes")
+            return [Choice(text=text, finish_reason="tool_calls", completion_tokens=9, tool_calls=calls)], 5
+        return [Choice(text="It is sunny.", finish_reason="stop", completion_tokens=4)], 5
+
+
+@pytest.fixture(scope="module")
+def responses_url():
+    from srpo.gateway.server import Gateway
+
+    gw = Gateway()
+    backend = ToolBackend()
+    yield gw.url(gw.open(backend)), backend
+    gw.stop()
+
+
+FLAT_WEATHER = {"type": "function", "name": "weather", "description": "Weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}, "strict": False}
+
+
+def test_the_responses_api_answers_text_and_tool_calls(responses_url):
+    openai = pytest.importorskip("openai")
+    url, backend = responses_url
+    client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+    reply = client.responses.create(model="agent", instructions="Be brief.", input="Weather?", max_output_tokens=20)
+    assert reply.output_text == "It is sunny." and reply.status == "completed" and reply.usage.output_tokens == 4
+    req = backend.requests[-1]
+    assert req.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"}]
+    assert req.max_tokens == 20
+    call = client.responses.create(model="agent", input="Weather in Paris?", tools=[FLAT_WEATHER])
+    [item] = call.output
+    assert item.type == "function_call" and item.name == "weather" and json.loads(item.arguments) == {"city": "Paris"}
+    assert backend.requests[-1].tools[0]["function"]["name"] == "weather"
+    # The tool's result fed back: function_call and function_call_output items become chat messages.
+    final = client.responses.create(model="agent", input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": item.call_id, "name": "weather", "arguments": item.arguments},
+        {"type": "function_call_output", "call_id": item.call_id, "output": "sunny, 21 C"}],
+        tools=[FLAT_WEATHER], tool_choice="none")
+    assert final.output_text == "It is sunny."
+    msgs = backend.requests[-1].messages
+    assert [m["role"] for m in msgs] == ["user", "assistant", "tool"]
+    assert msgs[1]["tool_calls"][0]["id"] == item.call_id and msgs[2] == {
+        "role": "tool", "tool_call_id": item.call_id, "content": "sunny, 21 C"}
+
+
+def test_the_responses_api_streams_its_event_sequence(responses_url):
+    openai = pytest.importorskip("openai")
+    url, _ = responses_url
+    client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+    events = list(client.responses.create(model="agent", input="Weather?", stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "It is sunny."
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].response.output_text == "It is sunny."
+    # the SDK's own stream helper accumulates the same response
+    with client.responses.stream(model="agent", input="Weather in Paris?", tools=[FLAT_WEATHER]) as stream:
+        done = stream.get_final_response()
+    assert done.output[0].type == "function_call" and done.output[0].name == "weather"
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
+    ({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0].type"),
+    ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [FLAT_WEATHER]}, "tool_choice"),
+])
+def test_the_responses_api_refuses_what_it_cannot_serve(responses_url, extra, param):
+    import httpx
+
+    url, _ = responses_url
+    raw = httpx.post(f"{url}/responses", json={"model": "agent", "input": "hi", **extra})
+    assert raw.status_code == 400 and raw.json()["error"]["param"] == param, raw.text

@@ -96,11 +96,6 @@ def choice(sample: Sample, params: SamplingParams, req: CompletionRequest, rende
     return Choice(text=text, finish_reason=finish, completion_tokens=len(sample.completion_ids), tool_calls=calls)
 
 
-def _program_text(c: Choice) -> str:
-    """What of a choice a program can pass on: its text, else its tool calls' arguments."""
-    return c.text if c.text.strip() else "".join(call["function"]["arguments"] for call in c.tool_calls)
-
-
 class EpisodeBackend:
     """One training episode's endpoint: requests run in the runtime's loop and every completion is
     recorded (token ids, behaviour log-probs, policy version) for :class:`EpisodeRecorder`."""
@@ -127,10 +122,7 @@ class EpisodeBackend:
             raise ProtocolError(f"the prompt has {len(ids)} tokens; this run allows {runtime.max_prompt_tokens} "
                                 f"(workflow.max_prompt_tokens)", param="messages" if req.chat else "prompt",
                                 code="context_length_exceeded")
-        event = self.recorder.before_call(req.model, req.texts())
-        if event is not None:
-            ctx.transcript.append(f"[{event.event_type} t{event.turn}] set of {event.size}: "
-                                  f"{', '.join(m.role for m in event.members)}")
+        call = self.recorder.before_call(req.model, req.texts())
         params = sampling(req, spec)
         samples = await runtime.generate([GenerationRequest(req.model, ids, params)] * req.n, ctx.episode_id)
         policies = runtime.policies
@@ -142,7 +134,8 @@ class EpisodeBackend:
                             completion_ids=s.completion_ids, action_mask=[1] * len(s.completion_ids),
                             behaviour_logprobs=s.logprobs, text=s.text, truncated=s.truncated,
                             temperature=params.temperature)
-            self.recorder.record(member, req.event_tag, _program_text(c))
+            self.recorder.record(member, req.event_tag, c.text, call=call,
+                                 arguments=[t["function"]["arguments"] for t in c.tool_calls])
             ctx.transcript.append(f"[call] {req.model}: {s.text}")
             choices.append(c)
         return choices, len(ids)

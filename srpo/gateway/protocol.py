@@ -59,6 +59,7 @@ class CompletionRequest:
     tools: list[dict[str, Any]] | None = None
     tool_choice: str = "auto"  # none | auto | required | a function's name (srpo.gateway.tools.tool_choice)
     event_tag: str | None = None  # x-srpo-event header or extra_body srpo_event: the set this output joins
+    responses: dict[str, Any] | None = None  # a /v1/responses request: what its response echoes
 
     @property
     def chat(self) -> bool:

@@ -1,4 +1,4 @@
-"""The HTTP endpoint: OpenAI's chat-completions, completions and models routes on 127.0.0.1.
+"""The HTTP endpoint: OpenAI's chat-completions, completions, responses and models routes on 127.0.0.1.
 
 Training: each episode gets its own unguessable base URL, ``http://127.0.0.1:<port>/e/<token>/v1``
 (``token``: 128 random bits), opened when the episode starts and closed when it ends — a stray
@@ -23,7 +23,9 @@ import traceback
 from typing import Any
 
 from srpo import serving
+from srpo.gateway import responses
 from srpo.gateway.protocol import ProtocolError, error_body, models_list, parse_request, response, stream_events
+from srpo.gateway.responses import parse_responses_request
 from srpo.serving import ServeError
 
 log = logging.getLogger(__name__)
@@ -64,7 +66,7 @@ def build_app(resolve, *, serve_root: bool = False):
                                 code="episode_not_found")
         return backend
 
-    async def completions(request, chat: bool):
+    async def completions(request, kind: str):
         try:
             backend = backend_of(request)
             size = int(request.headers.get("content-length") or 0)
@@ -75,7 +77,11 @@ def build_app(resolve, *, serve_root: bool = False):
                 body = json.loads(raw)
             except (ValueError, UnicodeDecodeError) as err:
                 raise ProtocolError(f"the request body is not JSON ({err})") from None
-            req = parse_request(body, chat=chat, headers={k.lower(): v for k, v in request.headers.items()})
+            headers = {k.lower(): v for k, v in request.headers.items()}
+            if kind == "responses":
+                req = parse_responses_request(body, headers)
+            else:
+                req = parse_request(body, chat=kind == "chat", headers=headers)
             if req.model not in backend.roles:
                 raise ProtocolError(f"the model {req.model!r} is not a role of this team; roles: "
                                     f"{', '.join(backend.roles)}", param="model", status=404, code="model_not_found")
@@ -87,15 +93,23 @@ def build_app(resolve, *, serve_root: bool = False):
         except Exception as err:  # noqa: BLE001 — the wire gets one line, the log the traceback
             log.error("gateway request failed:\n%s", traceback.format_exc())
             return error(500, f"{type(err).__name__}: {err}", kind="server_error")
+        if kind == "responses":
+            if req.stream:
+                return StreamingResponse(responses.stream_events(req, choices[0], prompt_tokens),
+                                         media_type="text/event-stream")
+            return JSONResponse(responses.response_object(req, choices[0], prompt_tokens))
         if req.stream:
             return StreamingResponse(iter(stream_events(req, choices)), media_type="text/event-stream")
         return JSONResponse(response(req, choices, prompt_tokens))
 
     async def chat(request):
-        return await completions(request, chat=True)
+        return await completions(request, "chat")
 
     async def text(request):
-        return await completions(request, chat=False)
+        return await completions(request, "text")
+
+    async def respond(request):
+        return await completions(request, "responses")
 
     async def models(request):
         try:
@@ -109,10 +123,12 @@ def build_app(resolve, *, serve_root: bool = False):
 
     routes = [Route("/e/{token}/v1/chat/completions", chat, methods=["POST"]),
               Route("/e/{token}/v1/completions", text, methods=["POST"]),
+              Route("/e/{token}/v1/responses", respond, methods=["POST"]),
               Route("/e/{token}/v1/models", models, methods=["GET"])]
     if serve_root:
         routes += [Route("/v1/chat/completions", chat, methods=["POST"]),
                    Route("/v1/completions", text, methods=["POST"]),
+                   Route("/v1/responses", respond, methods=["POST"]),
                    Route("/v1/models", models, methods=["GET"])]
     return Starlette(routes=routes, exception_handlers={HTTPException: not_found})
 

@@ -137,6 +137,8 @@ class OpenAIAgent(Workflow):
                 result = await self._run_in_thread(gateway, backend, task)
         finally:
             ctx.events.extend(recorder.finish())
+            for e in recorder.events:
+                ctx.transcript.append(f"[{e.event_type} t{e.turn}] set of {e.size}: {', '.join(m.role for m in e.members)}")
         if not recorder.outputs:
             ctx.count("no_calls")
             _warn_once("no_calls", f"an episode of {self.entry} made no call to its base URL: nothing of it can "
