@@ -170,3 +170,43 @@ def returns_none(task, url):
 
 def makes_no_call(task, url):
     return "42"
+
+
+# -- the OpenAI Agents SDK, as its docs write it for another provider ---------------------------
+async def agents_sdk_team(task, url, api="responses"):
+    """A lead agent that asks a solver agent (used as a tool), then hands off to a checker who gives
+    the final answer.  The client is configured once for the process, as the SDK's docs show."""
+    from agents import (Agent, ModelSettings, Runner, set_default_openai_api, set_default_openai_client,
+                        set_tracing_disabled)
+
+    set_tracing_disabled(True)
+    set_default_openai_client(AsyncOpenAI(base_url=url, api_key="unused", max_retries=0), use_for_tracing=False)
+    set_default_openai_api(api)
+    solver = Agent(name="solver", model="solver", instructions="Solve the problem. End with the answer.")
+    checker = Agent(name="checker", model="checker", instructions="Check the solution; give the final answer.")
+    lead = Agent(name="lead", model="lead", instructions="Ask the solver, then hand off to the checker.",
+                 tools=[solver.as_tool(tool_name="ask_solver", tool_description="Solves a math problem")],
+                 handoffs=[checker], model_settings=ModelSettings(tool_choice="ask_solver"))
+    result = await Runner.run(lead, task.question, max_turns=6)
+    return str(result.final_output)
+
+
+async def agents_sdk_chat_team(task, url):
+    return await agents_sdk_team(task, url, api="chat_completions")
+
+
+def langgraph_react_agent(task, url):
+    """LangGraph's prebuilt ReAct agent: ChatOpenAI with bind_tools, a Python tool."""
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from langgraph.prebuilt import create_react_agent
+
+    @tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    model = ChatOpenAI(model="solver", base_url=url, api_key="unused", max_retries=0)
+    agent = create_react_agent(model, [add])
+    state = agent.invoke({"messages": [("user", task.question)]}, {"recursion_limit": 8})
+    return state["messages"][-1].content

@@ -39,6 +39,7 @@ HERMES_CASES = [
      [("search", {"q": "what does </tool_call> mean"})]),
     # the closing tag cut off by the token budget at the very end: still a call
     ('<tool_call>{"name": "weather", "arguments": {"city": "Rome"}}', "", [("weather", {"city": "Rome"})]),
+    ('<tool_call>{"name": "weather", "arguments": {"city": "Rome"}}\n</to', "", [("weather", {"city": "Rome"})]),
     # "parameters" instead of "arguments"
     ('<tool_call>{"name": "weather", "parameters": {"city": "Lima"}}</tool_call>', "", [("weather", {"city": "Lima"})]),
 ]

@@ -163,7 +163,10 @@ def response_object(req: CompletionRequest, c: Choice, prompt_tokens: int, *, ri
     """The ``response`` object of a finished (or, with ``status='in_progress'``, starting) reply."""
     echo = getattr(req, "responses", {})
     items = _items(c) if items is None else items
-    incomplete = c.finish_reason == "length"
+    # Incomplete only when the request's own max_output_tokens cut it: a reply cut by the role's
+    # training budget is reported completed (agent SDKs raise on incomplete responses; the member
+    # is marked truncated for training either way).
+    incomplete = c.finish_reason == "length" and req.max_tokens is not None and c.completion_tokens >= req.max_tokens
     status = status or ("incomplete" if incomplete else "completed")
     return {
         "id": rid or f"resp_{secrets.token_hex(12)}", "object": "response", "created_at": created or int(time.time()),

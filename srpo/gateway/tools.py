@@ -233,7 +233,9 @@ def parse_hermes(text: str) -> tuple[str, list[dict[str, Any]]]:
         closing = re.match(r"\s*</tool_call>", rest)
         if closing:
             end += closing.end()
-        elif rest.strip():  # no closing tag and more text: not a call the model finished
+        elif "</tool_call>".startswith(rest.strip()):  # the closing tag cut off by the token budget
+            end = len(text)
+        else:  # no closing tag and more text: not a call the model finished
             break
         kept.append(text[pos:start])
         calls.extend(found)
