@@ -210,3 +210,8 @@ def langgraph_react_agent(task, url):
     agent = create_react_agent(model, [add])
     state = agent.invoke({"messages": [("user", task.question)]}, {"recursion_limit": 8})
     return state["messages"][-1].content
+
+
+def always_raises(task, url):
+    _ask(_client(url), "solver", task.question)
+    raise ValueError("this program never works")

@@ -386,6 +386,25 @@ def _train(tmp_path, program, roles, steps=1):
     return read_metrics(tmp_path / "run")
 
 
+def test_a_run_whose_programs_keep_failing_stops_with_a_summary(tmp_path):
+    from srpo.build import config_from_dict
+    from srpo.train import Trainer, TrainingStopped
+
+    cfg = config_from_dict({
+        "run": {"output_dir": str(tmp_path / "run"), "seed": 0, "steps": 5, "max_failed_steps": 2},
+        "model": {"name": "tiny-llama"},
+        "workflow": {"name": "openai_agent", "options": {"entry": f"{TEAMS}:always_raises", "roles": ["solver"]},
+                     "max_new_tokens": 4},
+        "task": {"kind": "math", "train": {"source": "synthetic_arithmetic", "level": 0, "n": 8}},
+        "train": {"tasks_per_step": 1, "group_size": 2}})
+    trainer = Trainer(cfg, progress=False)
+    with pytest.raises(TrainingStopped, match=r"2 steps in a row .* episodes: 4, failed 4 \(100.0 %\): 4 program "
+                                              r"errors\. first workflow failure: .*never works"):
+        trainer.fit()
+    trainer.close()
+    assert trainer.step == 2
+
+
 @pytest.mark.slow
 def test_a_langgraph_team_gives_its_sets_and_trains_through_the_gateway(tmp_path):
     pytest.importorskip("langgraph")

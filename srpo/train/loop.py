@@ -343,8 +343,10 @@ class Trainer:
     def failure_summary(self) -> str:
         """One line: how many of the run's episodes failed, and how."""
         total, failed = int(self.totals["episodes"]), int(self.totals["failed"])
-        kinds = [f"{int(self.totals[f'failed/{k}'])} {k.replace('_', ' ')}" for k in self.FAILURE_KINDS
-                 if self.totals[f"failed/{k}"]]
+        counts = {k: int(self.totals[f"failed/{k}"]) for k in self.FAILURE_KINDS}
+        # a program's timeout or error is also a workflow error: name each failure once
+        counts["workflow_errors"] -= counts["program_timeouts"] + counts["program_errors"]
+        kinds = [f"{n} {k.replace('_', ' ')}" for k, n in counts.items() if n > 0]
         text = f"episodes: {total}, failed {failed}" + (f" ({100 * failed / total:.1f} %)" if total else "")
         return text + (f": {', '.join(kinds)}" if kinds else "")
 
