@@ -254,11 +254,14 @@ def _serve(args) -> int:
         team.policies.load_pretrained_weights(checkpoint / "model")
     engine = build.engine(cfg, team.policies)
     backend = ServeBackend(engine, team.policies, team.role_specs, autocast=build.autocast(cfg), seed=args.seed,
-                           max_prompt_tokens=cfg.workflow.max_prompt_tokens)
+                           max_prompt_tokens=cfg.workflow.max_prompt_tokens, max_tokens=args.max_tokens or None)
 
     def ready(host, port):
-        print(f"serving {', '.join(backend.roles)} ({args.model}) at http://{host}:{port}/v1 — Ctrl-C stops",
-              flush=True)
+        limit = (f"max_tokens up to {args.max_tokens}" if args.max_tokens else
+                 f"max_tokens up to the model's context ({backend.context} tokens with the prompt)" if backend.context
+                 else "max_tokens as asked")
+        print(f"serving {', '.join(backend.roles)} ({args.model}) at http://{host}:{port}/v1 — {limit}; "
+              f"Ctrl-C stops", flush=True)
 
     try:  # a port in use is a ServeError: one error line (main)
         serve_forever(backend, args.host, args.port, ready=ready)
@@ -447,7 +450,10 @@ def _add_run_commands(sub) -> None:
     p.add_argument("--engine", choices=["builtin", "vllm"], default=None,
                    help="what samples (default: the run's rollout.engine)")
     p.add_argument("--max-new-tokens", type=_number(int, 0, "an integer ≥ 0"), default=0,
-                   help="each role's token budget, the cap of a request's max_tokens (default: the run's)")
+                   help="each role's token budget for a request that gives no max_tokens (default: the run's)")
+    p.add_argument("--max-tokens", type=_number(int, 0, "an integer ≥ 0"), default=0,
+                   help="the most tokens a request's max_tokens may get (default: what the model's context leaves "
+                        "after the prompt); a request asking for more is capped, and the server says so once")
     p.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
                    help="override fields of the serving config (e.g. workflow.roles.judge.temperature=0)")
     p.add_argument("--seed", type=int, default=0)

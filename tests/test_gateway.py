@@ -452,3 +452,31 @@ def test_a_trained_team_is_served_and_evaluated(tmp_path):
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "openai_agent" in out.stdout
+
+
+def test_srpo_serve_gives_max_tokens_past_the_training_budget_and_says_when_it_caps(caplog):
+    import asyncio
+
+    from srpo.gateway.backends import ServeBackend
+    from srpo.policies.sampling import SamplingParams
+    from srpo.policies.scripted import ScriptedPolicies
+    from srpo.workflows.runtime import RoleSpec
+
+    policies = ScriptedPolicies(lambda role, prompt: "x" * 100, ["solver"])
+    specs = {"solver": RoleSpec("solver", sampling=SamplingParams(max_new_tokens=6))}  # the training budget
+
+    def ask(backend, max_tokens):
+        req = parse_request({"model": "solver", "messages": [{"role": "user", "content": "hi"}],
+                             "max_tokens": max_tokens}, chat=True)
+
+        async def go():
+            try:
+                return await backend.complete(req)
+            finally:
+                backend.close()
+        return asyncio.run(go())[0][0].completion_tokens
+
+    assert ask(ServeBackend(policies, policies, specs), 40) == 40  # no --max-tokens, no known context: as asked
+    with caplog.at_level("WARNING"):
+        assert ask(ServeBackend(policies, policies, specs, max_tokens=25), 40) == 25
+    assert "max_tokens=40; it gets 25 (--max-tokens)" in caplog.text

@@ -68,16 +68,30 @@ def render(tokenizer, req: CompletionRequest) -> Rendered:
     return Rendered(tokenizer(text + forced, add_special_tokens=False)["input_ids"], fmt, forced)
 
 
-def sampling(req: CompletionRequest, spec: RoleSpec) -> SamplingParams:
-    """The request's sampling settings, the role's configured ones where it gives none.  ``max_tokens``
-    is capped at the role's configured budget (workflow.max_new_tokens or the role's override): the
-    run's memory and time were planned for it."""
+def sampling(req: CompletionRequest, spec: RoleSpec, cap: int | None = None) -> SamplingParams:
+    """The request's sampling settings, the role's configured ones where it gives none.
+
+    ``max_tokens`` is capped at ``cap``: in training the role's budget (workflow.max_new_tokens or
+    the role's override — the run's memory and time were planned for it); in ``srpo serve``
+    ``--max-tokens`` or what the model's context leaves after the prompt."""
     base = spec.sampling
+    cap = base.max_new_tokens if cap is None else cap
     return SamplingParams(
         temperature=base.temperature if req.temperature is None else req.temperature,
         top_p=base.top_p if req.top_p is None else req.top_p,
-        max_new_tokens=min(req.max_tokens or base.max_new_tokens, base.max_new_tokens),
+        max_new_tokens=max(1, min(req.max_tokens or base.max_new_tokens, cap)),
         stop=base.stop if req.stop is None else req.stop)
+
+
+def context_length(policies) -> int | None:
+    """The longest sequence the policies' model takes (its config's max_position_embeddings)."""
+    for module in policies.modules():
+        config = getattr(module, "config", None)
+        for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+            value = getattr(config, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
 
 
 def choice(sample: Sample, params: SamplingParams, req: CompletionRequest, rendered: Rendered,
@@ -149,7 +163,8 @@ class ServeBackend:
     """
 
     def __init__(self, engine, policies, role_specs: dict[str, RoleSpec], *, autocast=None, seed: int = 0,
-                 max_batch: int = 64, window_s: float = 0.01, max_prompt_tokens: int = 4096):
+                 max_batch: int = 64, window_s: float = 0.01, max_prompt_tokens: int = 4096,
+                 max_tokens: int | None = None):
         self.engine = engine
         self.policies = policies
         self.role_specs = role_specs
@@ -159,6 +174,9 @@ class ServeBackend:
         self.max_batch = max_batch
         self.window_s = window_s
         self.max_prompt_tokens = max_prompt_tokens
+        self.context = context_length(policies)
+        self.max_tokens = max_tokens  # --max-tokens (None: what the context leaves)
+        self._capped_once = False
         self._queue: asyncio.Queue | None = None
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="srpo-serve")
         self._batcher: asyncio.Task | None = None
@@ -173,7 +191,17 @@ class ServeBackend:
         if len(ids) > self.max_prompt_tokens:
             raise ProtocolError(f"the prompt has {len(ids)} tokens; at most {self.max_prompt_tokens} are served",
                                 param="messages" if req.chat else "prompt", code="context_length_exceeded")
-        params = sampling(req, self.role_specs[req.model])
+        cap = self.max_tokens or (self.context - len(ids) if self.context else None)
+        if cap is not None and cap < 1:
+            raise ProtocolError(f"the prompt has {len(ids)} tokens and leaves no room in the model's context of "
+                                f"{self.context}", param="messages" if req.chat else "prompt",
+                                code="context_length_exceeded")
+        params = sampling(req, self.role_specs[req.model], cap if cap is not None else 1 << 30)
+        if req.max_tokens is not None and params.max_new_tokens < req.max_tokens and not self._capped_once:
+            self._capped_once = True  # said once: a client asking past the cap asks every time
+            log.warning("a request asked for max_tokens=%d; it gets %d (%s). Later caps are not logged.",
+                        req.max_tokens, params.max_new_tokens, "--max-tokens" if self.max_tokens else
+                        f"what the model's context of {self.context} leaves after its {len(ids)}-token prompt")
         loop = asyncio.get_running_loop()
         futures = []
         for _ in range(req.n):
