@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
+import functools
 import logging
 import traceback
 from dataclasses import dataclass
@@ -110,6 +112,14 @@ def choice(sample: Sample, params: SamplingParams, req: CompletionRequest, rende
     return Choice(text=text, finish_reason=finish, completion_tokens=len(sample.completion_ids), tool_calls=calls)
 
 
+def _requests(req: CompletionRequest, ids: list[int], params: SamplingParams, on_token) -> list[GenerationRequest]:
+    """The request's ``n`` generations; each reports its tokens to ``on_token(index, token id)``."""
+    if on_token is None:
+        return [GenerationRequest(req.model, ids, params)] * req.n
+    return [GenerationRequest(req.model, ids, dataclasses.replace(params, on_token=functools.partial(on_token, i)))
+            for i in range(req.n)]
+
+
 class EpisodeBackend:
     """One training episode's endpoint: requests run in the runtime's loop and every completion is
     recorded (token ids, behaviour log-probs, policy version) for :class:`EpisodeRecorder`."""
@@ -120,12 +130,19 @@ class EpisodeBackend:
         self.recorder = recorder
         self.roles = roles
 
-    async def complete(self, req: CompletionRequest) -> tuple[list[Choice], int]:
-        """Called on the server's loop; the work runs on the runtime's."""
-        future = asyncio.run_coroutine_threadsafe(self._complete(req), self.loop)
+    streams = True  # calls on_token as tokens are drawn (srpo.gateway.streaming)
+
+    @property
+    def tokenizer(self):
+        return self.ctx.runtime.policies.tokenizer
+
+    async def complete(self, req: CompletionRequest, on_token=None) -> tuple[list[Choice], int]:
+        """Called on the server's loop; the work runs on the runtime's.  ``on_token(choice index,
+        token id)`` is called as each token is drawn, in the sampling thread."""
+        future = asyncio.run_coroutine_threadsafe(self._complete(req, on_token), self.loop)
         return await asyncio.wrap_future(future)
 
-    async def _complete(self, req: CompletionRequest) -> tuple[list[Choice], int]:
+    async def _complete(self, req: CompletionRequest, on_token=None) -> tuple[list[Choice], int]:
         ctx, runtime = self.ctx, self.ctx.runtime
         spec = runtime.role_spec(req.model)
         tokenizer = runtime.policies.tokenizer
@@ -138,7 +155,7 @@ class EpisodeBackend:
                                 code="context_length_exceeded")
         call = self.recorder.before_call(req.model, req.texts())
         params = sampling(req, spec)
-        samples = await runtime.generate([GenerationRequest(req.model, ids, params)] * req.n, ctx.episode_id)
+        samples = await runtime.generate(_requests(req, ids, params, on_token), ctx.episode_id)
         policies = runtime.policies
         pid = policies.policy_of(req.model)
         choices = []
@@ -181,7 +198,13 @@ class ServeBackend:
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="srpo-serve")
         self._batcher: asyncio.Task | None = None
 
-    async def complete(self, req: CompletionRequest) -> tuple[list[Choice], int]:
+    streams = True  # calls on_token as tokens are drawn (srpo.gateway.streaming)
+
+    @property
+    def tokenizer(self):
+        return self.policies.tokenizer
+
+    async def complete(self, req: CompletionRequest, on_token=None) -> tuple[list[Choice], int]:
         if self._queue is None:  # created on the server's loop, at the first request
             self._queue = asyncio.Queue()
             self._batcher = asyncio.get_running_loop().create_task(self._serve())
@@ -204,9 +227,9 @@ class ServeBackend:
                         f"what the model's context of {self.context} leaves after its {len(ids)}-token prompt")
         loop = asyncio.get_running_loop()
         futures = []
-        for _ in range(req.n):
+        for request in _requests(req, ids, params, on_token):
             fut = loop.create_future()
-            await self._queue.put((GenerationRequest(req.model, ids, params), fut))
+            await self._queue.put((request, fut))
             futures.append(fut)
         samples = await asyncio.gather(*futures)
         return [choice(s, params, req, rendered, tokenizer) for s in samples], len(ids)

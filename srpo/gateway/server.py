@@ -23,7 +23,7 @@ import traceback
 from typing import Any
 
 from srpo import serving
-from srpo.gateway import responses
+from srpo.gateway import responses, streaming
 from srpo.gateway.protocol import ProtocolError, error_body, models_list, parse_request, response, stream_events
 from srpo.gateway.responses import parse_responses_request
 from srpo.serving import ServeError
@@ -85,7 +85,15 @@ def build_app(resolve, *, serve_root: bool = False):
             if req.model not in backend.roles:
                 raise ProtocolError(f"the model {req.model!r} is not a role of this team; roles: "
                                     f"{', '.join(backend.roles)}", param="model", status=404, code="model_not_found")
-            choices, prompt_tokens = await backend.complete(req)
+            if streaming.streams_tokens(req, backend):
+                first, queue, task = await streaming.start(backend, req)
+                if first is not None:  # tokens are coming: stream them as they are drawn
+                    live = streaming.response_events if kind == "responses" else streaming.chat_chunks
+                    return StreamingResponse(live(req, first, queue, task, backend.tokenizer),
+                                             media_type="text/event-stream")
+                choices, prompt_tokens = task.result()  # ended (or failed) before its first token
+            else:
+                choices, prompt_tokens = await backend.complete(req)
         except ProtocolError as err:
             return JSONResponse(err.body(), status_code=err.status)
         except asyncio.CancelledError:

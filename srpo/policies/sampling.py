@@ -10,7 +10,8 @@ and its log-probs are those of temperature 1.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -30,6 +31,9 @@ class SamplingParams:
     top_p: float = 1.0
     max_new_tokens: int = 64
     stop: tuple[str, ...] = ()
+    #: called with each token id as it is drawn, in the sampling thread (streamed replies); engines
+    #: that cannot call it per token (vLLM's offline API) leave it uncalled
+    on_token: Callable[[int], None] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_new_tokens < 1:
@@ -281,6 +285,8 @@ def _decode(model, tokenizer, params, rows: _Rows, next_logits, cache, decoder, 
                 continue
             tokens[i].append(tok)
             logps[i].append(lp)
+            if params[i].on_token is not None:
+                params[i].on_token(tok)
             if ended:
                 reasons[i] = "eos"
             elif i in stop_window:

@@ -1,0 +1,175 @@
+"""Replies streamed as they are generated: token ids from the sampler become text deltas on the wire.
+
+The sampler calls ``SamplingParams.on_token`` with each token id as it is drawn (in its own
+thread); :func:`start` hands them to the server's event loop, and the three generators below turn
+them into each API's server-sent events — chat-completion chunks, completion chunks, or the
+Responses API's event sequence — ending with what the whole reply says (finish reason, usage).
+
+Text leaves as soon as it is certain: an incomplete UTF-8 character is held until its last byte
+arrives, and with ``stop`` strings the last ``len(longest stop) - 1`` characters are held until
+the reply ends (a stop string is removed from the answer, as OpenAI does, so it must never have
+been sent).  Replies that offer tools are not streamed token by token: whether the text is a tool
+call is known only once it is parsed, so they leave whole when done (tool calls as OpenAI streams
+them).  Engines that cannot report tokens one by one (vLLM's offline API) end up in the same
+place: the whole reply in one delta at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from typing import Any, AsyncIterator
+
+from srpo.gateway import responses
+from srpo.gateway.protocol import Choice, CompletionRequest, error_body
+
+
+class TokenText:
+    """The text of one reply as its tokens arrive: :meth:`push` returns what may be sent now."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...] = ()):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.sent = ""
+        self.hold = max((len(s) for s in stops), default=1) - 1
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # a character whose bytes have not all arrived
+            return ""
+        safe = text[: len(text) - self.hold] if self.hold else text
+        if not safe.startswith(self.sent) or len(safe) <= len(self.sent):
+            return ""
+        piece, self.sent = safe[len(self.sent):], safe
+        return piece
+
+    def finish(self, final: str) -> str:
+        """What remains to send of the reply's final text (the stop string already removed)."""
+        return final[len(self.sent):] if final.startswith(self.sent) else ""
+
+
+def streams_tokens(req: CompletionRequest, backend) -> bool:
+    """Whether this request is streamed token by token (see the module doc)."""
+    return req.stream and getattr(backend, "streams", False) and not (req.tools and req.tool_choice != "none")
+
+
+async def start(backend, req: CompletionRequest):
+    """Start generating; returns ``(first, queue, task)``: the first ``(choice index, token id)``
+    (None when the reply ended, or failed, before any token), the queue of the rest (None ends
+    it), and the task whose result is ``(choices, prompt_tokens)``."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+
+    def on_token(index: int, token_id: int) -> None:  # in the sampling thread
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, (index, token_id))
+        except RuntimeError:  # the server's loop has closed: nobody is listening
+            pass
+
+    task = asyncio.ensure_future(backend.complete(req, on_token=on_token))
+    task.add_done_callback(lambda _: queue.put_nowait(None))
+    return await queue.get(), queue, task
+
+
+async def _tokens(first, queue: asyncio.Queue) -> AsyncIterator[tuple[int, int]]:
+    item = first
+    while item is not None:
+        yield item
+        item = await queue.get()
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def _result(task):
+    try:
+        return await task, None
+    except Exception as err:  # noqa: BLE001 — the stream has begun: the error goes on the wire as an event
+        return None, error_body(f"{type(err).__name__}: {err}", kind="server_error")
+
+
+async def chat_chunks(req: CompletionRequest, first, queue, task, tokenizer) -> AsyncIterator[str]:
+    """``chat.completion.chunk`` (or ``text_completion``) events as the reply is generated."""
+    rid, created = f"{'chatcmpl' if req.chat else 'cmpl'}-{secrets.token_hex(12)}", int(time.time())
+    kind = "chat.completion.chunk" if req.chat else "text_completion"
+    texts = [TokenText(tokenizer, req.stop or ()) for _ in range(req.n)]
+    opened = set()
+
+    def chunk(index: int, text: str | None = None, finish: str | None = None, role: bool = False) -> str:
+        if req.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else (
+                {} if text is None else {"content": text})
+            body = {"index": index, "delta": delta, "finish_reason": finish}
+        else:
+            body = {"index": index, "text": text or "", "finish_reason": finish}
+        return _sse({"id": rid, "object": kind, "created": created, "model": req.model, "choices": [body]})
+
+    async for index, token_id in _tokens(first, queue):
+        if req.chat and index not in opened:
+            opened.add(index)
+            yield chunk(index, role=True)
+        piece = texts[index].push(token_id)
+        if piece:
+            yield chunk(index, piece)
+    result, error = await _result(task)
+    if error is not None:
+        yield _sse(error)
+        return
+    choices, _ = result
+    for index, c in enumerate(choices):
+        if req.chat and index not in opened:
+            yield chunk(index, role=True)
+        rest = texts[index].finish(c.text)
+        if rest:
+            yield chunk(index, rest)
+        yield chunk(index, finish=c.finish_reason)
+    yield "data: [DONE]\n\n"
+
+
+async def response_events(req: CompletionRequest, first, queue, task, tokenizer) -> AsyncIterator[str]:
+    """The Responses API's event sequence as the reply is generated (one message item)."""
+    ev, rid, created = responses.EventWriter(), f"resp_{secrets.token_hex(12)}", int(time.time())
+    start_obj = responses.response_object(req, Choice("", "stop", 0), 0, rid=rid, created=created, items=[],
+                                          status="in_progress")
+    yield ev("response.created", response=start_obj)
+    yield ev("response.in_progress", response=start_obj)
+    text, item_id, opened = TokenText(tokenizer, req.stop or ()), f"msg_{secrets.token_hex(12)}", False
+    empty_part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+
+    def open_item():
+        return [ev("response.output_item.added", output_index=0,
+                   item={"id": item_id, "type": "message", "status": "in_progress", "role": "assistant", "content": []}),
+                ev("response.content_part.added", item_id=item_id, output_index=0, content_index=0, part=empty_part)]
+
+    async for _, token_id in _tokens(first, queue):
+        if not opened:
+            opened = True
+            for e in open_item():
+                yield e
+        piece = text.push(token_id)
+        if piece:
+            yield ev("response.output_text.delta", item_id=item_id, output_index=0, content_index=0, delta=piece,
+                     logprobs=[])
+    result, error = await _result(task)
+    if error is not None:
+        yield ev("error", code="server_error", message=error["error"]["message"], param=None)
+        return
+    (c, *_), prompt_tokens = result
+    if not opened:
+        for e in open_item():
+            yield e
+    rest = text.finish(c.text)
+    if rest:
+        yield ev("response.output_text.delta", item_id=item_id, output_index=0, content_index=0, delta=rest,
+                 logprobs=[])
+    part = {"type": "output_text", "text": c.text, "annotations": [], "logprobs": []}
+    item = {"id": item_id, "type": "message", "status": "completed", "role": "assistant", "content": [part]}
+    yield ev("response.output_text.done", item_id=item_id, output_index=0, content_index=0, text=c.text, logprobs=[])
+    yield ev("response.content_part.done", item_id=item_id, output_index=0, content_index=0, part=part)
+    yield ev("response.output_item.done", output_index=0, item=item)
+    final = responses.response_object(req, c, prompt_tokens, rid=rid, created=created, items=[item])
+    yield ev("response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final)
