@@ -228,3 +228,26 @@ def test_staleness_one_on_the_engine_trains_and_resumes_with_its_pending_batch(t
     assert last["rollout/staleness_max"] == 1 and last["episodes"] == 4
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
+
+
+def test_the_engine_reports_tokens_as_it_draws_them():
+    """Streamed replies (srpo serve, the gateway): every token reaches on_token, in order, and the
+    samples equal what the same engine gives unstreamed (greedy)."""
+    policies = build_policies("shared", "smollm2-135m", ["a"])
+    engine = VLLMRollout(policies, "smollm2-135m", dtype="float32", seed=0, settings=SETTINGS)
+    try:
+        tok = policies.tokenizer
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+        prompts = [tok(p)["input_ids"] for p in ["Count to five:", "The capital of France is"]]
+        plain = engine.generate([GenerationRequest("a", p, greedy) for p in prompts])
+        seen = {0: [], 1: []}
+        from dataclasses import replace as _replace
+
+        streamed = engine.generate([GenerationRequest("a", p, _replace(greedy, on_token=seen[i].append))
+                                    for i, p in enumerate(prompts)])
+        for i, (a, b) in enumerate(zip(plain, streamed)):
+            assert b.completion_ids == a.completion_ids == seen[i] and b.text == a.text
+            assert b.finish_reason == a.finish_reason
+            assert torch.allclose(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4)
+    finally:
+        engine.close()

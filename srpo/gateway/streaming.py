@@ -10,8 +10,9 @@ arrives, and with ``stop`` strings the last ``len(longest stop) - 1`` characters
 the reply ends (a stop string is removed from the answer, as OpenAI does, so it must never have
 been sent).  Replies that offer tools are not streamed token by token: whether the text is a tool
 call is known only once it is parsed, so they leave whole when done (tool calls as OpenAI streams
-them).  Engines that cannot report tokens one by one (vLLM's offline API) end up in the same
-place: the whole reply in one delta at the end.
+them).  Both engines report tokens one by one: srpo's sampler from its decode loop, vLLM from its
+engine's step loop with delta outputs (:meth:`srpo.rollout.vllm.VLLMEngine.generate`); an engine
+that does not (a user's own) ends up with the whole reply in one delta at the end.
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ class SamplingParams:
     top_p: float = 1.0
     max_new_tokens: int = 64
     stop: tuple[str, ...] = ()
-    #: called with each token id as it is drawn, in the sampling thread (streamed replies); engines
-    #: that cannot call it per token (vLLM's offline API) leave it uncalled
+    #: called with each token id as it is drawn, in the sampling thread (streamed replies: srpo's
+    #: sampler and the vLLM engine call it; an engine that does not leaves the reply whole)
     on_token: Callable[[int], None] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):

@@ -259,10 +259,20 @@ class EngineSettings:
 _FINISH = {"length": "length", "stop": "stop", "abort": "length"}
 
 
+def _sample(ids: list[int], text: str, logprobs, finish_reason, stop_reason) -> Sample:
+    """A vLLM completion as srpo's :class:`Sample` (log-prob of each drawn token; finish reason)."""
+    logps = [next(iter(step.values())).logprob if step else 0.0 for step in (logprobs or [])][: len(ids)]
+    reason = _FINISH.get(finish_reason, "length")
+    if reason == "stop" and stop_reason is None:
+        reason = "eos"  # stopped on an end-of-sequence token, not on a stop string
+    return Sample(completion_ids=ids, text=text, logprobs=logps, finish_reason=reason)
+
+
 class VLLMEngine:
     """vLLM's ``LLM`` over a model folder, speaking :class:`~srpo.policies.sampling.Sample`."""
 
     _lora_ids = itertools.count(1)
+    _request_ids = itertools.count(1)
 
     def __init__(self, model_path: str | Path, *, dtype: str = "float32", seed: int = 0,
                  settings: EngineSettings = EngineSettings(), enable_lora: bool = False, dummy_weights: bool = False,
@@ -321,18 +331,45 @@ class VLLMEngine:
                                    stop=list(p.stop) or None, include_stop_str_in_output=True, logprobs=0,
                                    seed=s) for p, s in zip(params, seeds)]
         lora = [self.loras[a] if a else None for a in adapters] if adapters else None
+        if any(p.on_token is not None for p in params):
+            return self._generate_streaming(prompts, params, sampling, lora)
         outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompts], sampling,
                                     lora_request=lora, use_tqdm=False)
-        samples = []
-        for out in outputs:
-            o = out.outputs[0]
-            ids = list(o.token_ids)
-            logps = [next(iter(step.values())).logprob if step else 0.0 for step in (o.logprobs or [])][: len(ids)]
-            reason = _FINISH.get(o.finish_reason, "length")
-            if reason == "stop" and o.stop_reason is None:
-                reason = "eos"  # stopped on an end-of-sequence token, not on a stop string
-            samples.append(Sample(completion_ids=ids, text=o.text, logprobs=logps, finish_reason=reason))
-        return samples
+        return [_sample(list(o.token_ids), o.text, o.logprobs, o.finish_reason, o.stop_reason)
+                for o in (out.outputs[0] for out in outputs)]
+
+    def _generate_streaming(self, prompts, params, sampling, lora) -> list[Sample]:
+        """:meth:`generate` with tokens reported as the engine draws them: the requests go into
+        vLLM's engine with delta outputs and its step loop runs here (what ``LLM.generate`` does
+        inside), calling each request's ``on_token`` with every new token."""
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        ids = [f"srpo-{next(self._request_ids)}" for _ in prompts]
+        acc = {rid: {"tokens": [], "text": [], "logprobs": [], "finish": None, "stop": None} for rid in ids}
+        for i, (rid, prompt, sp) in enumerate(zip(ids, prompts, sampling)):
+            sp.output_kind = RequestOutputKind.DELTA
+            engine.add_request(rid, {"prompt_token_ids": list(prompt)}, sp, lora_request=lora[i] if lora else None)
+        by_id = dict(zip(ids, params))
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    o, a = out.outputs[0], acc[out.request_id]
+                    new = list(o.token_ids)
+                    a["tokens"] += new
+                    a["text"].append(o.text)
+                    a["logprobs"] += list(o.logprobs or [])
+                    on_token = by_id[out.request_id].on_token
+                    if on_token is not None:
+                        for token in new:
+                            on_token(token)
+                    if out.finished:
+                        a["finish"], a["stop"] = o.finish_reason, o.stop_reason
+        except BaseException:
+            engine.abort_request([rid for rid in ids if acc[rid]["finish"] is None])
+            raise
+        return [_sample(a["tokens"], "".join(a["text"]), a["logprobs"], a["finish"], a["stop"])
+                for a in (acc[rid] for rid in ids)]
 
     # ------------------------------------------------------------------------------ weight sync
     def sync(self, weights) -> None:
