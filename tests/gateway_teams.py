@@ -215,3 +215,17 @@ def langgraph_react_agent(task, url):
 def always_raises(task, url):
     _ask(_client(url), "solver", task.question)
     raise ValueError("this program never works")
+
+
+async def agents_sdk_default_client(task, url):
+    """The Agents SDK's docs for other providers: set_default_openai_client once per episode."""
+    import asyncio
+
+    from agents import Agent, Runner, set_default_openai_api, set_default_openai_client, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    set_default_openai_api("chat_completions")
+    set_default_openai_client(AsyncOpenAI(base_url=url, api_key="unused", max_retries=0), use_for_tracing=False)
+    await asyncio.sleep(0.3)  # the other episodes of the step set theirs meanwhile
+    result = await Runner.run(Agent(name="solver", model="solver", instructions="Solve it."), task.question)
+    return str(result.final_output)

@@ -244,18 +244,21 @@ def _run(workflow, roles, specs=None):
     return results, policies.calls
 
 
-@pytest.mark.parametrize("name, options, program", [
-    ("single", {}, "single"),
-    ("solver_verifier", {"rounds": 2}, "solver_verifier"),
-    ("parallel_aggregate", {"num_workers": 3}, "parallel_aggregate"),
-    ("routed", {"num_workers": 3}, "routed"),
-    ("parallel_aggregate", {"num_workers": 3}, "parallel_aggregate_async"),
+@pytest.mark.parametrize("name, options, program, isolation", [
+    ("single", {}, "single", "process"),
+    ("solver_verifier", {"rounds": 2}, "solver_verifier", "process"),
+    ("parallel_aggregate", {"num_workers": 3}, "parallel_aggregate", "process"),
+    ("routed", {"num_workers": 3}, "routed", "process"),
+    ("parallel_aggregate", {"num_workers": 3}, "parallel_aggregate_async", "process"),
+    ("parallel_aggregate", {"num_workers": 3}, "parallel_aggregate", "thread"),
+    ("parallel_aggregate", {"num_workers": 3}, "parallel_aggregate_async", "thread"),
 ])
-def test_a_team_written_with_the_openai_client_gives_the_builtin_events(name, options, program):
+def test_a_team_written_with_the_openai_client_gives_the_builtin_events(name, options, program, isolation):
     from srpo.workflows.builtins import build_workflow
 
     builtin = build_workflow(name, **options)
-    agent = build_workflow("openai_agent", entry=f"{TEAMS}:{program}", roles=builtin.roles(), max_new_tokens=64)
+    agent = build_workflow("openai_agent", entry=f"{TEAMS}:{program}", roles=builtin.roles(), max_new_tokens=64,
+                           isolation=isolation)
     expected, builtin_calls = _run(builtin, builtin.roles())
     got, gateway_calls = _run(agent, builtin.roles())
     for a, b in zip(expected, got):
@@ -305,6 +308,22 @@ def test_a_client_configured_once_per_process_lands_each_call_in_its_own_episode
         assert len(members) == 1, r.transcript
         assert r.task.question in runtime.policies.tokenizer.decode(members[0].prompt_ids)
         assert r.answer == _script("solver", r.task.question)
+
+
+@pytest.mark.parametrize("program", ["default_client_per_episode", "agents_sdk_default_client"])
+def test_in_one_process_a_call_reaching_another_episode_stops_the_run(program):
+    from srpo.gateway.attribution import MixedEpisodes
+    from srpo.policies.scripted import ScriptedPolicies
+    from srpo.workflows.builtins import build_workflow
+    from srpo.workflows.runtime import Runtime
+
+    if program.startswith("agents"):
+        pytest.importorskip("agents")
+    agent = build_workflow("openai_agent", entry=f"{TEAMS}:{program}", roles=["solver"], isolation="thread")
+    runtime = Runtime(ScriptedPolicies(_script, ["solver"]), agent.default_role_specs(), lambda t, a: 1.0)
+    with pytest.raises(MixedEpisodes, match="base_url passed to each call of the program, or set "
+                                            "workflow.options.isolation: process"):
+        runtime.run(agent, [(f"e{i}", TASKS[i]) for i in range(4)])
 
 
 def test_a_hung_program_neither_holds_the_run_nor_starves_later_episodes():

@@ -129,6 +129,8 @@ class EpisodeBackend:
         self.loop = loop
         self.recorder = recorder
         self.roles = roles
+        self.entry = ""
+        self.mixed: Exception | None = None  # set when a call of another episode reached this one
 
     streams = True  # calls on_token as tokens are drawn (srpo.gateway.streaming)
 

@@ -23,7 +23,7 @@ import traceback
 from typing import Any
 
 from srpo import serving
-from srpo.gateway import responses, streaming
+from srpo.gateway import attribution, responses, streaming
 from srpo.gateway.protocol import ProtocolError, error_body, models_list, parse_request, response, stream_events
 from srpo.gateway.responses import parse_responses_request
 from srpo.serving import ServeError
@@ -82,6 +82,14 @@ def build_app(resolve, *, serve_root: bool = False):
                 req = parse_responses_request(body, headers)
             else:
                 req = parse_request(body, chat=kind == "chat", headers=headers)
+            caller = headers.get(attribution.HEADER)
+            token = request.path_params.get("token")
+            if caller is not None and token is not None and caller != token:
+                mixed = attribution.MixedEpisodes(attribution.message(getattr(backend, "entry", "") or "the program"))
+                for b in (backend, resolve(caller)):
+                    if b is not None and hasattr(b, "mixed"):
+                        b.mixed = mixed
+                raise ProtocolError(str(mixed), status=409, code="episode_mismatch")
             if req.model not in backend.roles:
                 raise ProtocolError(f"the model {req.model!r} is not a role of this team; roles: "
                                     f"{', '.join(backend.roles)}", param="model", status=404, code="model_not_found")

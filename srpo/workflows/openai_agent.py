@@ -173,25 +173,38 @@ class OpenAIAgent(Workflow):
             raise WorkflowError(f"{self.entry} raised {err}", err.detail) from None
 
     async def _run_in_thread(self, gateway, backend, task):
+        import contextvars
+
+        from srpo.gateway import attribution
+
         loop = asyncio.get_running_loop()
         token = gateway.open(backend)
         url = gateway.url(token)
+        attribution.install(url.split("/e/")[0])
+        backend.entry = self.entry
+        stamp = attribution.CALLER.set(token)  # this task's context (and what it copies) calls as this episode
         try:
             if inspect.iscoroutinefunction(self._program):
                 return await asyncio.wait_for(self._program(task, url), self.timeout_s)
-            work = loop.run_in_executor(_pool(self.max_threads), self._program, task, url)
+            context = contextvars.copy_context()
+            work = loop.run_in_executor(_pool(self.max_threads), context.run, self._program, task, url)
             return await asyncio.wait_for(work, self.timeout_s)
         except asyncio.TimeoutError:
             backend.ctx.count("program_timeouts")
             raise WorkflowError(f"{self.entry} did not return within {self.timeout_s:g} s "
                                 f"(workflow.options.timeout_s)") from None
         except Exception as err:
+            if backend.mixed is not None:  # the program's calls went astray: not this episode's failure alone
+                raise backend.mixed from None
             backend.ctx.count("program_errors")
             import traceback
 
             raise WorkflowError(f"{self.entry} raised {type(err).__name__}: {err}", traceback.format_exc()) from None
         finally:
+            attribution.CALLER.reset(stamp)
             gateway.close_episode(token)  # a program still running gets 404 from now on
+        if backend.mixed is not None:
+            raise backend.mixed
 
 
 _WARNED: set[str] = set()

@@ -353,6 +353,8 @@ class Runtime:
         try:
             answer = await workflow.run(ctx, task)
         except Exception as err:  # a workflow that trips over odd model text costs its episode only
+            if getattr(err, "fatal", False):  # ... unless the run's data cannot be trusted (mixed episodes)
+                raise
             answer, failed = "", True
             ctx.count("workflow_errors")
             ctx.info["workflow_failed"] = 1
