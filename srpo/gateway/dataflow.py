@@ -39,6 +39,8 @@ Where inference and intent can differ (tag these):
   joins the final set;
 - two identical outputs: a call that quotes the text consumes both — right when both were meant
   (parallel workers that agree), wrong when the code passed on only one;
+- a tool call whose *result*, not the call, reaches the next agent (AutoGen's group chat passes a
+  tool-call summary): the call is never quoted, so it joins the final set;
 - an output whose text happens to occur in a later, unrelated message (a short answer such as
   "yes" in a new prompt): consumed there.
 

@@ -25,6 +25,7 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from srpo.workflows import agent_worker
@@ -75,8 +76,9 @@ class AgentPool:
 
     START_TIMEOUT_S = 120.0  # Python plus the program's imports (an agent SDK can take a few seconds)
 
-    def __init__(self, entry: str, gateway, max_workers: int):
+    def __init__(self, entry: str, gateway, max_workers: int, python: str = ""):
         self.entry = entry
+        self.python = python or sys.executable
         self.gateway = gateway
         self.max_workers = max_workers
         self._idle: list[Worker] = []
@@ -103,14 +105,14 @@ class AgentPool:
         try:
             # The worker module is loaded by path: importing the package srpo.workflows would pull in
             # torch, and a worker needs none of it.
-            process = subprocess.Popen([sys.executable, "-c", _WORKER_BOOT, agent_worker.__file__, str(child.fileno())],
+            process = subprocess.Popen([self.python, "-c", _WORKER_BOOT, agent_worker.__file__, str(child.fileno())],
                                        pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL)
         finally:
             child.close()
         conn = Connection(parent.detach())
         worker = Worker(process, conn, token, url)
         try:
-            conn.send(("init", self.entry, list(sys.path), os.getcwd()))
+            conn.send(("init", self.entry, self._program_path(), os.getcwd(), str(Path(agent_worker.__file__).parents[1])))
             if not conn.poll(self.START_TIMEOUT_S):
                 raise WorkerStartError(f"a worker for {self.entry} did not load it within {self.START_TIMEOUT_S:g} s")
             reply = conn.recv()
@@ -128,6 +130,21 @@ class AgentPool:
             self.gateway.release(token)
             raise WorkerStartError(reply[1])
         return worker
+
+    def _program_path(self) -> list[str]:
+        """The import path the worker adds: this process's whole ``sys.path`` under the same
+        interpreter; under another (``workflow.options.python``) only the folders that belong to
+        no Python installation (the project's own), so that its packages are its environment's."""
+        if os.path.abspath(self.python) == os.path.abspath(sys.executable):  # a venv's python is a symlink: compare paths
+            return list(sys.path)
+        installs = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+        own = []
+        for entry in sys.path:
+            real = os.path.realpath(entry or os.getcwd())
+            if "site-packages" in real or "dist-packages" in real or any(real.startswith(i) for i in installs):
+                continue
+            own.append(real)
+        return own
 
     async def _acquire(self) -> Worker:
         loop = asyncio.get_running_loop()
@@ -226,13 +243,13 @@ _SHARED: dict[tuple[str, int], AgentPool] = {}
 _SHARED_LOCK = threading.Lock()
 
 
-def shared(entry: str, gateway, max_workers: int) -> AgentPool:
+def shared(entry: str, gateway, max_workers: int, python: str = "") -> AgentPool:
     """This process's pool for ``entry`` behind ``gateway`` (workers are kept between steps)."""
     with _SHARED_LOCK:
-        key = (entry, id(gateway))
+        key = (entry, id(gateway), python)
         pool = _SHARED.get(key)
         if pool is None or pool.gateway is not gateway:
-            pool = _SHARED[key] = AgentPool(entry, gateway, max_workers)
+            pool = _SHARED[key] = AgentPool(entry, gateway, max_workers, python)
         pool.max_workers = max_workers
         return pool
 

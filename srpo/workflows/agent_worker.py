@@ -15,7 +15,7 @@ This module imports nothing heavy (no torch): a worker costs the program's own i
 
 Protocol (pickled tuples over the socket, :class:`multiprocessing.connection.Connection`):
 
-- parent → ``("init", entry, sys_path, cwd)``; worker → ``("ready",)`` or ``("failed", message)``;
+- parent → ``("init", entry, sys_path, cwd, srpo_dir)``; worker → ``("ready",)`` or ``("failed", message)``;
 - parent → ``("run", task, base_url)``; worker → ``("ok", result)`` or
   ``("raised", type_name, message, traceback_text)``.
 """
@@ -79,6 +79,24 @@ def load_entry(entry: str) -> Callable[..., Any]:
     return fn
 
 
+def _ensure_srpo_tasks(srpo_dir: str) -> None:
+    """Make ``srpo.tasks.base`` importable (the episode's Task is unpickled from it).  Under another
+    interpreter (``workflow.options.python``) srpo may not be installed: its package is then loaded
+    from the training process's folder by path — only srpo's own modules, nothing else of that
+    environment (they need only the standard library)."""
+    try:
+        importlib.import_module("srpo.tasks.base")
+        return
+    except ImportError:
+        pass
+    spec = importlib.util.spec_from_file_location("srpo", Path(srpo_dir) / "__init__.py",
+                                                  submodule_search_locations=[srpo_dir])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["srpo"] = module
+    spec.loader.exec_module(module)
+    importlib.import_module("srpo.tasks.base")
+
+
 def _die_with_parent() -> None:
     """Linux: the kernel kills this worker when the training process dies (a hung program would
     otherwise outlive it)."""
@@ -112,9 +130,10 @@ def main(fd: int) -> None:
         except (EOFError, OSError):  # the training process closed the pair (or died): done
             return
         if message[0] == "init":
-            _, entry, sys_path, cwd = message
+            _, entry, sys_path, cwd, srpo_dir = message
             sys.path[:] = list(dict.fromkeys(list(sys_path) + sys.path))
             os.chdir(cwd)
+            _ensure_srpo_tasks(srpo_dir)
             try:
                 program = load_entry(entry)
             except EntryError as err:

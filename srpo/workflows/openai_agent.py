@@ -25,6 +25,7 @@ import concurrent.futures
 import inspect
 import logging
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,6 +97,10 @@ class OpenAIAgent(Workflow):
     the ``base_url`` it is given in every episode, and a hung sync program holds its thread."""
     max_workers: Count = 32
     """isolation: process — the most worker processes (episodes beyond wait for a free one)."""
+    python: str = ""
+    """isolation: process — the Python interpreter of the worker processes, e.g. a virtualenv's
+    ``bin/python`` whose agent framework's dependencies clash with the trainer's ('': this one).
+    The program's own imports come from that environment; srpo needs nothing there."""
     max_threads: Count = 256
     """isolation: thread — worker threads for plain-function programs (one per live episode)."""
 
@@ -109,7 +114,17 @@ class OpenAIAgent(Workflow):
                 raise OptionError("roles", f"{role!r} is not a usable role name (letters, digits, _ . : -)")
         if len(set(self.role_names)) != len(self.role_names):
             raise OptionError("roles", f"a role is named twice: {self.role_names}")
-        self._program = load_entry(self.entry)
+        if self.python:
+            if self.isolation != "process":
+                raise OptionError("python", "another interpreter runs the program in worker processes: "
+                                            "isolation must be process")
+            if not (Path(self.python).is_file() and os.access(self.python, os.X_OK)):
+                raise OptionError("python", f"{self.python!r} is not an executable Python interpreter")
+            self.python = str(Path(self.python).absolute())
+            # the program imports from that environment: it is loaded there, by its first worker
+            self._program = None
+        else:
+            self._program = load_entry(self.entry)
         self.entry = absolute_entry(self.entry)
 
     def roles(self) -> list[str]:
@@ -162,7 +177,7 @@ class OpenAIAgent(Workflow):
     async def _run_in_worker(self, gateway, backend, task):
         from srpo.workflows import agent_pool
 
-        pool = agent_pool.shared(self.entry, gateway, self.max_workers)
+        pool = agent_pool.shared(self.entry, gateway, self.max_workers, self.python)
         try:
             return await pool.run(task, backend, self.timeout_s, waiting=getattr(backend.ctx.runtime, "outside_generation", None))
         except agent_pool.ProgramTimeout as err:
