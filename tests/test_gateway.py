@@ -468,6 +468,8 @@ def test_a_trained_team_is_served_and_evaluated(tmp_path):
         reply = client.chat.completions.create(model="aggregator", messages=[{"role": "user", "content": "1+1?"}],
                                                max_tokens=4)
         assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.completion_tokens <= 4
+        answer = client.responses.create(model="aggregator", input="1+1?", max_output_tokens=4)
+        assert answer.status in ("completed", "incomplete") and answer.usage.output_tokens <= 4
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -504,3 +506,24 @@ def test_srpo_serve_gives_max_tokens_past_the_training_budget_and_says_when_it_c
     with caplog.at_level("WARNING"):
         assert ask(ServeBackend(policies, policies, specs, max_tokens=25), 40) == 25
     assert "max_tokens=40; it gets 25 (--max-tokens)" in caplog.text
+
+
+def test_the_documented_cases_where_inference_and_intent_differ():
+    """The five cases the dataflow module documents, each as it behaves (tag such calls)."""
+    rec = EpisodeRecorder("e", "t")
+    rec.before_call("solver", ["Q"])
+    rec.record(_member("solver", "The answer is 42 because six times seven."))  # quoted only in part
+    rec.before_call("router", ["Q"])
+    rec.record(_member("router", "WORKERS: 2"))  # steers the code, never quoted
+    rec.before_call("mute", ["Q"])
+    rec.record(_member("mute", "  "))  # empty: in every text
+    rec.before_call("w1", ["Q"])
+    rec.record(_member("w1", "7"))
+    rec.before_call("w2", ["Q"])
+    rec.record(_member("w2", "7"))  # identical to w1's: a call quoting "7" consumes both
+    rec.before_call("checker", ["Q"])
+    rec.record(_member("checker", "yes"))
+    rec.before_call("judge", ["Q", "the number is 42; workers said 7", "Say yes or no."])  # "yes" by chance
+    rec.record(_member("judge", "done"))
+    assert _sets(rec.finish()) == [("to:judge", 0, ["checker", "w1", "w2"]),
+                                   ("final", 0, ["judge", "mute", "router", "solver"])]

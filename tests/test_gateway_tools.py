@@ -274,3 +274,25 @@ def test_the_responses_api_refuses_what_it_cannot_serve(responses_url, extra, pa
     url, _ = responses_url
     raw = httpx.post(f"{url}/responses", json={"model": "agent", "input": "hi", **extra})
     assert raw.status_code == 400 and raw.json()["error"]["param"] == param, raw.text
+
+
+def test_a_model_that_ships_a_response_parser_is_parsed_by_it():
+    """transformers' tokenizer.parse_response (the model's response_template) comes first."""
+
+    class Tokenizer:
+        response_template = {"version": 1}
+
+        def parse_response(self, text, prefix=None):
+            assert text == "<call>f(1)</call>"
+            return {"role": "assistant", "content": "",
+                    "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}
+
+    text, calls = tools.parse_tool_calls("<call>f(1)</call>", "hermes", Tokenizer())
+    assert text == "" and [(c["function"]["name"], _args(c)) for c in calls] == [("f", {"a": 1})]
+
+    class Broken(Tokenizer):
+        def parse_response(self, text, prefix=None):
+            raise ValueError("the template does not match")
+
+    reply = '<tool_call>{"name": "g", "arguments": {}}</tool_call>'
+    assert tools.parse_tool_calls(reply, "hermes", Broken())[1][0]["function"]["name"] == "g"  # ours, then

@@ -16,27 +16,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from srpo.gateway import tools as tool_rules
+from srpo.gateway.errors import ProtocolError, error_body
+
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_CHOICES = 16  # n: enough for best-of-n agents, small enough that one call cannot flood a step
 MAX_STOPS = 4  # OpenAI's own limit on stop strings
 
-
-class ProtocolError(Exception):
-    """A request the endpoint refuses: ``status`` (400, 404, 413 ...), the offending ``param``."""
-
-    def __init__(self, message: str, *, param: str | None = None, status: int = 400,
-                 code: str | None = None, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.message, self.param, self.status, self.code, self.kind = message, param, status, code, kind
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, param=self.param, code=self.code, kind=self.kind)
-
-
-def error_body(message: str, *, param: str | None = None, code: str | None = None,
-               kind: str = "invalid_request_error") -> dict[str, Any]:
-    """OpenAI's error object."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+__all__ = ["ProtocolError", "error_body"]  # re-exported: srpo.gateway.errors is their home
 
 
 @dataclass
@@ -198,8 +185,6 @@ def parse_request(body: Any, *, chat: bool, headers: dict[str, str] | None = Non
     )
     if chat:
         req.messages = _messages(body)
-        from srpo.gateway import tools as tool_rules
-
         tools = body.get("tools")
         if tools is not None:
             if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):

@@ -37,7 +37,7 @@ import re
 import secrets
 from typing import Any
 
-from srpo.gateway.protocol import ProtocolError
+from srpo.gateway.errors import ProtocolError
 
 FORMATS = ("hermes", "llama3", "mistral", "generic")
 
