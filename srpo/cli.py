@@ -152,6 +152,29 @@ def _sft_output_for_eval(model: str) -> Path | None:
     return None
 
 
+def _load_checkpoint(team, checkpoint: Path, model: str, attempts: int = 5) -> Path:
+    """Load a training checkpoint's weights into ``team``.  Evaluating a run that is still training:
+    the run may prune this checkpoint while it loads — then the newest one is loaded instead, and
+    that is said.  Returns the checkpoint loaded."""
+    from srpo.checkpoint import CheckpointError
+
+    for _ in range(attempts):
+        try:
+            team.policies.load_pretrained_weights(checkpoint / "model")
+            return checkpoint
+        except Exception:
+            if (checkpoint / "model").is_dir():  # still there: a real failure, not a pruning
+                raise
+            newer = _checkpoint_for_eval(model)
+            if newer is None or newer == checkpoint:
+                raise
+            print(f"checkpoint {checkpoint.name} was pruned by the still-running training while it loaded; "
+                  f"loading the newest, {newer.name}", file=sys.stderr)
+            checkpoint = newer
+    raise CheckpointError(f"{model}: its checkpoints were pruned {attempts} times while loading; "
+                          f"evaluate a copy, or when the run has ended")
+
+
 def _model_config(args) -> tuple[dict, Path | None]:
     """The config ``--model`` (and ``--workflow``/``--options``) describe, as a dict to complete,
     and the training checkpoint whose weights to load (None: a model name, path or warm start)."""
@@ -218,15 +241,19 @@ def _eval(args) -> int:
     datasets = build.eval_sets(cfg, n=args.n)
     team = build.team(cfg)
     if checkpoint is not None:
-        team.policies.load_pretrained_weights(checkpoint / "model")
+        checkpoint = _load_checkpoint(team, checkpoint, args.model)
         print(f"evaluating checkpoint {checkpoint}", file=sys.stderr)
+    episodes = None
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        episodes = Path(args.out) / "episodes.jsonl"
     results = evaluate(team.policies, team.workflow, team.role_specs, datasets, k=args.k,
                        temperature=args.temperature, seed=args.seed, progress=True,
-                       workflows=build.eval_workflows(cfg, None, team.workflow))
+                       workflows=build.eval_workflows(cfg, None, team.workflow), episodes_path=episodes)
     print(markdown_table(results, f"{args.model} — {cfg.workflow.name}"))
     if args.out:
         js, md = write_results(results, Path(args.out), "eval", f"{args.model} — {cfg.workflow.name}")
-        print(f"written: {js}, {md}")
+        print(f"written: {js}, {md}, {episodes} (every episode)")
     return 0
 
 
@@ -251,10 +278,11 @@ def _serve(args) -> int:
         torch.set_num_threads(args.threads)
     team = build.team(cfg)
     if checkpoint is not None:
-        team.policies.load_pretrained_weights(checkpoint / "model")
+        _load_checkpoint(team, checkpoint, args.model)
     engine = build.engine(cfg, team.policies)
     backend = ServeBackend(engine, team.policies, team.role_specs, autocast=build.autocast(cfg), seed=args.seed,
-                           max_prompt_tokens=cfg.workflow.max_prompt_tokens, max_tokens=args.max_tokens or None)
+                           max_prompt_tokens=cfg.workflow.max_prompt_tokens, max_tokens=args.max_tokens or None,
+                           max_queue=args.max_queue)
 
     def ready(host, port):
         limit = (f"max_tokens up to {args.max_tokens}" if args.max_tokens else
@@ -454,6 +482,8 @@ def _add_run_commands(sub) -> None:
     p.add_argument("--max-tokens", type=_number(int, 0, "an integer ≥ 0"), default=0,
                    help="the most tokens a request's max_tokens may get (default: what the model's context leaves "
                         "after the prompt); a request asking for more is capped, and the server says so once")
+    p.add_argument("--max-queue", type=_number(int, 1, "an integer ≥ 1"), default=256,
+                   help="the most generations waiting; beyond, requests get 429 with Retry-After")
     p.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
                    help="override fields of the serving config (e.g. workflow.roles.judge.temperature=0)")
     p.add_argument("--seed", type=int, default=0)

@@ -26,8 +26,10 @@ from srpo.workflows.runtime import Runtime
 
 def evaluate(policies, workflow, role_specs, datasets: dict[str, list[Task]], *, k: int = 4,
              temperature: float | None = None, seed: int = 1234, max_batch: int = 256,
-             progress: bool = False, workflows: dict[str, Any] | None = None, engine=None) -> dict[str, Any]:
+             progress: bool = False, workflows: dict[str, Any] | None = None, engine=None,
+             episodes_path: Path | None = None) -> dict[str, Any]:
     """Run ``k`` episodes per task of every dataset; return per-dataset and macro metrics.
+    ``episodes_path``: every episode's record (question, answer, reward, tokens) as JSON lines.
 
     ``workflows`` (by dataset name) replaces ``workflow`` for the datasets it names — a held-out
     set searched in its own corpus (:func:`srpo.build.eval_workflows`).  ``engine``: the rollout
@@ -42,44 +44,70 @@ def evaluate(policies, workflow, role_specs, datasets: dict[str, list[Task]], *,
         from tqdm.auto import tqdm
 
         bar = tqdm(total=sum(len(t) for t in datasets.values()) * k, desc="eval", unit="episode", dynamic_ncols=True)
-    for name, tasks in datasets.items():
-        jobs = [(f"eval-{name}-{i}-{j}", t) for i, t in enumerate(tasks) for j in range(k)]
-        episodes = []
-        # Episodes run in chunks of 64 (whole tasks) so the progress bar moves; each chunk still
-        # batches all of its pending requests.
-        chunk = max(k, (min(max_batch, 64) // k) * k)
-        with torch.no_grad():
-            for start in range(0, len(jobs), chunk):
-                episodes += runtime.run((workflows or {}).get(name, workflow), jobs[start:start + chunk])
-                if bar is not None:
-                    bar.update(len(jobs[start:start + chunk]))
-                    bar.set_postfix(dataset=name, acc=f"{sum(e.reward >= 1.0 for e in episodes) / len(episodes):.3f}")
-        per_task = [[episodes[i * k + j].reward for j in range(k)] for i in range(len(tasks))]
-        avgs = [avg_at_k(s) for s in per_task]
-        passes = [pass_at_k(k, sum(1 for r in s if r >= 1.0), k) for s in per_task]
-        tokens = sum(ep.generated_tokens for ep in episodes)
-        correct = sum(1 for ep in episodes if ep.reward >= 1.0)
-        results["datasets"][name] = {
-            "n": len(tasks),
-            f"avg@{k}": float(np.mean(avgs)),
-            f"avg@{k}_stderr": float(np.std(avgs, ddof=1) / math.sqrt(len(avgs))) if len(avgs) > 1 else 0.0,
-            f"pass@{k}": float(np.mean(passes)),
-            f"pass@{k}_stderr": float(np.std(passes, ddof=1) / math.sqrt(len(passes))) if len(passes) > 1 else 0.0,
-            # The task kind's extra metrics (QA: token F1), averaged over episodes.
-            **({metric: float(np.mean([fn(ep.task, ep.answer) for ep in episodes]))
-                for metric, fn in task_kind(tasks[0].kind).eval_metrics.items()} if tasks else {}),
-            "team_tokens": tokens,
-            "correct_per_million_tokens": 1e6 * correct / max(tokens, 1),
-            "examples": [{"question": episodes[i * k].task.question, "gold": list(episodes[i * k].task.answers),
-                          "answer": episodes[i * k].answer, "reward": episodes[i * k].reward}
-                         for i in range(min(3, len(tasks)))],
-        }
+    sink = open(episodes_path, "w", encoding="utf-8") if episodes_path is not None else None  # noqa: SIM115
+    try:
+        for name, tasks in datasets.items():
+            results["datasets"][name] = _evaluate_dataset(runtime, (workflows or {}).get(name, workflow), name, tasks,
+                                                          k, max_batch, bar, sink)
+    finally:
+        if sink is not None:
+            sink.close()
     if bar is not None:
         bar.close()
     ds = results["datasets"]
     results["macro"] = {f"avg@{k}": macro_average({n: d[f"avg@{k}"] for n, d in ds.items()}),
                         f"pass@{k}": macro_average({n: d[f"pass@{k}"] for n, d in ds.items()})}
     return results
+
+
+def _evaluate_dataset(runtime, workflow, name: str, tasks: list[Task], k: int, max_batch: int, bar, sink) -> dict:
+    """One dataset's metrics.  Episodes are reduced as each chunk ends — their rewards kept, their
+    records written to ``sink`` (one JSON line each) — so memory stays flat however large ``k``."""
+    jobs = [(f"eval-{name}-{i}-{j}", t) for i, t in enumerate(tasks) for j in range(k)]
+    rewards = [[0.0] * k for _ in tasks]
+    extra = task_kind(tasks[0].kind).eval_metrics if tasks else {}
+    sums = {metric: 0.0 for metric in extra}
+    tokens = correct = seen = 0
+    examples = []
+    # Episodes run in chunks of 64 (whole tasks) so the progress bar moves; each chunk still
+    # batches all of its pending requests.
+    chunk = max(k, (min(max_batch, 64) // k) * k)
+    with torch.no_grad():
+        for start in range(0, len(jobs), chunk):
+            for offset, ep in enumerate(runtime.run(workflow, jobs[start:start + chunk])):
+                i, j = divmod(start + offset, k)
+                rewards[i][j] = ep.reward
+                tokens += ep.generated_tokens
+                correct += ep.reward >= 1.0
+                seen += 1
+                for metric, fn in extra.items():
+                    sums[metric] += fn(ep.task, ep.answer)
+                if j == 0 and i < 3:
+                    examples.append({"question": ep.task.question, "gold": list(ep.task.answers), "answer": ep.answer,
+                                     "reward": ep.reward})
+                if sink is not None:
+                    sink.write(json.dumps({"dataset": name, "task_id": ep.task.task_id, "sample": j,
+                                           "question": ep.task.question, "gold": list(ep.task.answers),
+                                           "answer": ep.answer, "reward": ep.reward, "tokens": ep.generated_tokens,
+                                           "info": {key: v for key, v in ep.info.items()
+                                                    if isinstance(v, (int, float, str, bool))}}) + "\n")
+            if bar is not None:
+                bar.update(len(jobs[start:start + chunk]))
+                bar.set_postfix(dataset=name, acc=f"{correct / max(seen, 1):.3f}")
+    avgs = [avg_at_k(r) for r in rewards]
+    passes = [pass_at_k(k, sum(1 for x in r if x >= 1.0), k) for r in rewards]
+    return {
+        "n": len(tasks),
+        f"avg@{k}": float(np.mean(avgs)),
+        f"avg@{k}_stderr": float(np.std(avgs, ddof=1) / math.sqrt(len(avgs))) if len(avgs) > 1 else 0.0,
+        f"pass@{k}": float(np.mean(passes)),
+        f"pass@{k}_stderr": float(np.std(passes, ddof=1) / math.sqrt(len(passes))) if len(passes) > 1 else 0.0,
+        # The task kind's extra metrics (QA: token F1), averaged over episodes.
+        **{metric: total / max(seen, 1) for metric, total in sums.items()},
+        "team_tokens": tokens,
+        "correct_per_million_tokens": 1e6 * correct / max(tokens, 1),
+        "examples": examples,
+    }
 
 
 def markdown_table(results: dict[str, Any], title: str = "") -> str:

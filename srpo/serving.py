@@ -45,11 +45,19 @@ class _ReadTimeout:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
 
+        body_done = False
+
         async def bounded_receive():
+            nonlocal body_done
+            if body_done:  # the body is in: what comes next is a disconnect, however long it takes
+                return await receive()
             try:
-                return await asyncio.wait_for(receive(), self.timeout_s)
+                message = await asyncio.wait_for(receive(), self.timeout_s)
             except asyncio.TimeoutError:
                 return {"type": "http.disconnect"}
+            if message.get("type") == "http.request" and not message.get("more_body", False):
+                body_done = True
+            return message
 
         return await self.app(scope, bounded_receive, send)
 
@@ -84,7 +92,7 @@ def _bounded_protocol(header_timeout_s: float):
 
 
 def uvicorn_server(app, *, header_timeout_s: float = 10.0, read_timeout_s: float = 30.0,
-                   limit_concurrency: int = 1024, keep_alive_s: int = 30):
+                   limit_concurrency: int = 1024, keep_alive_s: int = 30, graceful_shutdown_s: float | None = None):
     """A ``uvicorn.Server`` for ``app`` with the bounds above (run it with ``sockets=[bind(...)]``)."""
     try:
         import uvicorn
@@ -92,5 +100,5 @@ def uvicorn_server(app, *, header_timeout_s: float = 10.0, read_timeout_s: float
         raise ServeError("srpo's HTTP servers need uvicorn: pip install 'srpo[gateway]' (or 'srpo[retrieval]')") from None
     config = uvicorn.Config(_ReadTimeout(app, read_timeout_s), log_level="warning", lifespan="off", access_log=False,
                             http=_bounded_protocol(header_timeout_s), timeout_keep_alive=keep_alive_s,
-                            limit_concurrency=limit_concurrency)
+                            limit_concurrency=limit_concurrency, timeout_graceful_shutdown=graceful_shutdown_s)
     return uvicorn.Server(config)

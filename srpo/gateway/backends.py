@@ -19,6 +19,9 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
+import threading
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -174,16 +177,28 @@ class EpisodeBackend:
         return choices, len(ids)
 
 
+#: A prompt longer than this many characters per allowed token is refused before it is tokenised
+#: (no tokenizer's vocabulary averages more): a 7 MiB prompt costs a length check, not seconds of work.
+MAX_CHARS_PER_TOKEN = 32
+
+
 class ServeBackend:
     """``srpo serve``: each role answers with its policy; concurrent requests are generated together.
 
-    ``engine`` samples (the built-in sampler or vLLM); ``autocast`` is entered in the generating
-    thread (autocast state is per thread).
+    ``engine`` samples (the built-in sampler or vLLM) in one daemon thread; ``autocast`` is entered
+    there (autocast state is per thread).  What it cannot serve it sheds, never queues unboundedly:
+
+    - a prompt over ``max_prompt_tokens`` is refused (by its length in characters before it is
+      tokenised, then by its tokens); tokenising runs off the event loop, so a large prompt does
+      not hold the small requests behind it;
+    - at most ``max_queue`` generations wait; beyond, 429 with ``Retry-After``;
+    - a generation whose client disconnected is dropped from the queue (the server cancels it);
+    - :meth:`shed` (on SIGINT/SIGTERM) answers everything queued or running with 503 at once.
     """
 
     def __init__(self, engine, policies, role_specs: dict[str, RoleSpec], *, autocast=None, seed: int = 0,
                  max_batch: int = 64, window_s: float = 0.01, max_prompt_tokens: int = 4096,
-                 max_tokens: int | None = None):
+                 max_tokens: int | None = None, max_queue: int = 256):
         self.engine = engine
         self.policies = policies
         self.role_specs = role_specs
@@ -195,9 +210,14 @@ class ServeBackend:
         self.max_prompt_tokens = max_prompt_tokens
         self.context = context_length(policies)
         self.max_tokens = max_tokens  # --max-tokens (None: what the context leaves)
+        self.max_queue = max_queue
+        self.stats = {"served": 0, "shed_busy": 0, "shed_closing": 0, "cancelled": 0, "generated": 0}
         self._capped_once = False
+        self._closing = False
+        self._waiting: set[asyncio.Future] = set()  # every generation queued or running
+        self._batch_s = 1.0  # the last batch's duration: what Retry-After is estimated from
         self._queue: asyncio.Queue | None = None
-        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="srpo-serve")
+        self._tokenize = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="srpo-tokenize")
         self._batcher: asyncio.Task | None = None
 
     streams = True  # calls on_token as tokens are drawn (srpo.gateway.streaming)
@@ -206,34 +226,63 @@ class ServeBackend:
     def tokenizer(self):
         return self.policies.tokenizer
 
+    def _refuse_when_busy(self, n: int) -> None:
+        if self._closing:
+            self.stats["shed_closing"] += 1
+            raise ProtocolError("the server is shutting down", status=503, kind="server_error",
+                                code="shutting_down", retry_after_s=5)
+        if len(self._waiting) + n > self.max_queue:
+            self.stats["shed_busy"] += 1
+            batches = (len(self._waiting) + n) / max(self.max_batch, 1)
+            raise ProtocolError(f"the server is busy: {len(self._waiting)} generations are waiting (at most "
+                                f"{self.max_queue}, srpo serve --max-queue); retry later", status=429,
+                                kind="server_error", code="server_busy",
+                                retry_after_s=max(1, math.ceil(batches * self._batch_s)))
+
     async def complete(self, req: CompletionRequest, on_token=None) -> tuple[list[Choice], int]:
+        loop = asyncio.get_running_loop()
         if self._queue is None:  # created on the server's loop, at the first request
             self._queue = asyncio.Queue()
-            self._batcher = asyncio.get_running_loop().create_task(self._serve())
+            self._batcher = loop.create_task(self._serve())
+        self._refuse_when_busy(req.n)
+        where = "messages" if req.chat else "prompt"
+        chars = sum(len(t) for t in req.texts())
+        if chars > self.max_prompt_tokens * MAX_CHARS_PER_TOKEN:
+            raise ProtocolError(f"the prompt has {chars} characters: more than {self.max_prompt_tokens} tokens "
+                                f"can hold (at most {self.max_prompt_tokens} tokens are served)", param=where,
+                                code="context_length_exceeded")
         tokenizer = self.policies.tokenizer
-        rendered = render(tokenizer, req)
+        rendered = await loop.run_in_executor(self._tokenize, render, tokenizer, req)
         ids = rendered.ids
         if len(ids) > self.max_prompt_tokens:
             raise ProtocolError(f"the prompt has {len(ids)} tokens; at most {self.max_prompt_tokens} are served",
-                                param="messages" if req.chat else "prompt", code="context_length_exceeded")
+                                param=where, code="context_length_exceeded")
         cap = self.max_tokens or (self.context - len(ids) if self.context else None)
         if cap is not None and cap < 1:
             raise ProtocolError(f"the prompt has {len(ids)} tokens and leaves no room in the model's context of "
-                                f"{self.context}", param="messages" if req.chat else "prompt",
-                                code="context_length_exceeded")
+                                f"{self.context}", param=where, code="context_length_exceeded")
         params = sampling(req, self.role_specs[req.model], cap if cap is not None else 1 << 30)
         if req.max_tokens is not None and params.max_new_tokens < req.max_tokens and not self._capped_once:
             self._capped_once = True  # said once: a client asking past the cap asks every time
             log.warning("a request asked for max_tokens=%d; it gets %d (%s). Later caps are not logged.",
                         req.max_tokens, params.max_new_tokens, "--max-tokens" if self.max_tokens else
                         f"what the model's context of {self.context} leaves after its {len(ids)}-token prompt")
-        loop = asyncio.get_running_loop()
+        self._refuse_when_busy(req.n)  # again: tokenising took time, others may have queued
         futures = []
         for request in _requests(req, ids, params, on_token):
             fut = loop.create_future()
-            await self._queue.put((request, fut))
+            self._waiting.add(fut)
+            fut.add_done_callback(self._waiting.discard)
+            self._queue.put_nowait((request, fut))
             futures.append(fut)
-        samples = await asyncio.gather(*futures)
+        try:
+            samples = await asyncio.gather(*futures)
+        except asyncio.CancelledError:  # the client went away: its generations leave the queue
+            self.stats["cancelled"] += 1
+            for fut in futures:
+                fut.cancel()
+            raise
+        self.stats["served"] += 1
         return [choice(s, params, req, rendered, tokenizer) for s in samples], len(ids)
 
     def _generate(self, requests: list[GenerationRequest]) -> list[Sample]:
@@ -247,19 +296,52 @@ class ServeBackend:
             await asyncio.sleep(self.window_s)  # let concurrent requests join
             while not self._queue.empty() and len(batch) < self.max_batch:
                 batch.append(self._queue.get_nowait())
+            batch = [(r, f) for r, f in batch if not f.done()]  # cancelled (client gone) or shed
+            if not batch:
+                continue
+            start = time.monotonic()
+            result: concurrent.futures.Future = concurrent.futures.Future()
+            # A daemon thread per batch, not a pool's: a batch still generating when the server
+            # stops must not hold the process's exit (its requests were already answered 503).
+            threading.Thread(target=_run_into, args=(result, self._generate, [r for r, _ in batch]),
+                             name="srpo-serve", daemon=True).start()
             try:
-                samples = await loop.run_in_executor(self._worker, self._generate, [r for r, _ in batch])
+                samples = await asyncio.wrap_future(result)
             except Exception as err:  # a failed batch fails its requests, not the server
                 log.error("generation failed:\n%s", traceback.format_exc())
                 for _, fut in batch:
                     if not fut.done():
                         fut.set_exception(err)
                 continue
+            self._batch_s = time.monotonic() - start
+            self.stats["generated"] += len(batch)
             for (_, fut), s in zip(batch, samples):
                 if not fut.done():
                     fut.set_result(s)
 
+    def shed(self) -> None:
+        """Stop taking requests and answer every queued or running generation with 503 (call on
+        the server's loop: SIGINT/SIGTERM)."""
+        self._closing = True
+        error = ProtocolError("the server is shutting down", status=503, kind="server_error", code="shutting_down",
+                              retry_after_s=5)
+        for fut in list(self._waiting):
+            if not fut.done():
+                self.stats["shed_closing"] += 1
+                fut.set_exception(error)
+
     def close(self) -> None:
+        self._closing = True
         if self._batcher is not None:
             self._batcher.cancel()
-        self._worker.shutdown(wait=False, cancel_futures=True)
+        self._tokenize.shutdown(wait=False, cancel_futures=True)
+
+
+def _run_into(result: concurrent.futures.Future, fn, *args) -> None:
+    """``result`` gets ``fn(*args)`` or its exception (in the calling thread)."""
+    if not result.set_running_or_notify_cancel():
+        return
+    try:
+        result.set_result(fn(*args))
+    except BaseException as err:  # noqa: BLE001 — handed to the awaiting side
+        result.set_exception(err)

@@ -33,9 +33,14 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 << 20  # 8 MiB: a long multi-agent transcript fits; a runaway client does not
 
 
-def _uvicorn_server(app):
+#: ``srpo serve`` stops within this long after SIGINT/SIGTERM: queued and running requests are
+#: answered 503 at once, and connections still open after it are closed.
+SHUTDOWN_S = 5.0
+
+
+def _uvicorn_server(app, **kw):
     # A training step's requests wait for a batch: the read timeout is for a stalled body only.
-    return serving.uvicorn_server(app, header_timeout_s=30.0, read_timeout_s=60.0, limit_concurrency=4096)
+    return serving.uvicorn_server(app, header_timeout_s=30.0, read_timeout_s=60.0, limit_concurrency=4096, **kw)
 
 
 def _require_server_libraries():
@@ -47,12 +52,39 @@ def _require_server_libraries():
                            "pip install 'srpo[gateway]'") from None
 
 
+class ClientGone(Exception):
+    """The client disconnected while its request waited."""
+
+
+async def _unless_gone(request, work):
+    """``await work``, unless the client disconnects first: then ``work`` is cancelled (a queued
+    generation is dropped, a running one's result discarded) and :class:`ClientGone` raised."""
+    work = asyncio.ensure_future(work)
+
+    async def gone():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(gone())
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if work not in done:
+        work.cancel()
+        raise ClientGone
+    return work.result()
+
+
 def build_app(resolve, *, serve_root: bool = False):
     """The Starlette app.  ``resolve(token)`` returns the backend of an open episode (None: unknown
     or closed); with ``serve_root`` the routes also answer at ``/v1`` (``resolve(None)``)."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
-    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
     def error(status: int, message: str, *, param=None, code=None, kind="invalid_request_error"):
@@ -94,16 +126,24 @@ def build_app(resolve, *, serve_root: bool = False):
                 raise ProtocolError(f"the model {req.model!r} is not a role of this team; roles: "
                                     f"{', '.join(backend.roles)}", param="model", status=404, code="model_not_found")
             if streaming.streams_tokens(req, backend):
-                first, queue, task = await streaming.start(backend, req)
+                queue, task = streaming.start(backend, req)
+                try:
+                    first = await _unless_gone(request, queue.get())
+                except ClientGone:
+                    task.cancel()
+                    raise
                 if first is not None:  # tokens are coming: stream them as they are drawn
                     live = streaming.response_events if kind == "responses" else streaming.chat_chunks
                     return StreamingResponse(live(req, first, queue, task, backend.tokenizer),
                                              media_type="text/event-stream")
                 choices, prompt_tokens = task.result()  # ended (or failed) before its first token
             else:
-                choices, prompt_tokens = await backend.complete(req)
+                choices, prompt_tokens = await _unless_gone(request, backend.complete(req))
+        except ClientGone:  # nobody is waiting: the generation was cancelled, nothing to answer
+            log.info("a client disconnected before its reply; its generation was cancelled")
+            return Response(status_code=499)
         except ProtocolError as err:
-            return JSONResponse(err.body(), status_code=err.status)
+            return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
         except asyncio.CancelledError:
             return error(503, "the episode ended while this request waited", kind="server_error")
         except Exception as err:  # noqa: BLE001 — the wire gets one line, the log the traceback
@@ -131,7 +171,7 @@ def build_app(resolve, *, serve_root: bool = False):
         try:
             return JSONResponse(models_list(backend_of(request).roles))
         except ProtocolError as err:
-            return JSONResponse(err.body(), status_code=err.status)
+            return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
 
     async def not_found(request, exc):
         return error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
@@ -234,15 +274,25 @@ def serve_forever(backend, host: str = "127.0.0.1", port: int = 8000, *, ready=N
     interrupted.  ``ready(host, port)`` is called once it listens."""
     _require_server_libraries()
     sock = serving.bind(host, port)
-    server = _uvicorn_server(build_app(lambda token: backend if token is None else None, serve_root=True))
-    if ready is not None:
-        real_startup = server.startup
+    server = _uvicorn_server(build_app(lambda token: backend if token is None else None, serve_root=True),
+                             graceful_shutdown_s=SHUTDOWN_S)
+    real_startup, real_exit, loop = server.startup, server.handle_exit, None
 
-        async def startup(sockets=None):
-            await real_startup(sockets=sockets)
+    async def startup(sockets=None):
+        nonlocal loop
+        loop = asyncio.get_running_loop()
+        await real_startup(sockets=sockets)
+        if ready is not None:
             ready(*sock.getsockname()[:2])
 
-        server.startup = startup
+    def handle_exit(sig, frame):
+        # The queue is answered 503 now, not generated first: the server stops within SHUTDOWN_S.
+        shed = getattr(backend, "shed", None)
+        if shed is not None and loop is not None:
+            loop.call_soon_threadsafe(shed)
+        real_exit(sig, frame)
+
+    server.startup, server.handle_exit = startup, handle_exit
     try:
         server.run(sockets=[sock])
     finally:

@@ -57,10 +57,10 @@ def streams_tokens(req: CompletionRequest, backend) -> bool:
     return req.stream and getattr(backend, "streams", False) and not (req.tools and req.tool_choice != "none")
 
 
-async def start(backend, req: CompletionRequest):
-    """Start generating; returns ``(first, queue, task)``: the first ``(choice index, token id)``
-    (None when the reply ended, or failed, before any token), the queue of the rest (None ends
-    it), and the task whose result is ``(choices, prompt_tokens)``."""
+def start(backend, req: CompletionRequest):
+    """Start generating; returns ``(queue, task)``: the queue of ``(choice index, token id)`` as
+    tokens are drawn (None ends it: the reply is done, or failed) and the task whose result is
+    ``(choices, prompt_tokens)``."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -72,7 +72,7 @@ async def start(backend, req: CompletionRequest):
 
     task = asyncio.ensure_future(backend.complete(req, on_token=on_token))
     task.add_done_callback(lambda _: queue.put_nowait(None))
-    return await queue.get(), queue, task
+    return queue, task
 
 
 async def _tokens(first, queue: asyncio.Queue) -> AsyncIterator[tuple[int, int]]:
@@ -80,6 +80,21 @@ async def _tokens(first, queue: asyncio.Queue) -> AsyncIterator[tuple[int, int]]
     while item is not None:
         yield item
         item = await queue.get()
+
+
+def _cancel_on_close(events):
+    """A stream the server stops reading (the client went away) cancels its generation."""
+
+    async def wrapped(req, first, queue, task, tokenizer):
+        try:
+            async for event in events(req, first, queue, task, tokenizer):
+                yield event
+        finally:
+            if not task.done():
+                task.cancel()
+
+    wrapped.__doc__ = events.__doc__
+    return wrapped
 
 
 def _sse(obj: Any) -> str:
@@ -93,6 +108,7 @@ async def _result(task):
         return None, error_body(f"{type(err).__name__}: {err}", kind="server_error")
 
 
+@_cancel_on_close
 async def chat_chunks(req: CompletionRequest, first, queue, task, tokenizer) -> AsyncIterator[str]:
     """``chat.completion.chunk`` (or ``text_completion``) events as the reply is generated."""
     rid, created = f"{'chatcmpl' if req.chat else 'cmpl'}-{secrets.token_hex(12)}", int(time.time())
@@ -131,6 +147,7 @@ async def chat_chunks(req: CompletionRequest, first, queue, task, tokenizer) -> 
     yield "data: [DONE]\n\n"
 
 
+@_cancel_on_close
 async def response_events(req: CompletionRequest, first, queue, task, tokenizer) -> AsyncIterator[str]:
     """The Responses API's event sequence as the reply is generated (one message item)."""
     ev, rid, created = responses.EventWriter(), f"resp_{secrets.token_hex(12)}", int(time.time())

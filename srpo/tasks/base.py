@@ -117,6 +117,7 @@ def load_jsonl_rows(
             if isinstance(row, UnreadableRow):
                 raise KeyError(row.reason)
             task = make_task(line_no, row)
+            check_encodable(task)
             task.meta.setdefault("line", line_no)  # where the row was: for messages about it later
             tasks.append(task)
         except (KeyError, ValueError, TypeError) as err:
@@ -135,6 +136,17 @@ def load_jsonl_rows(
     if not tasks:
         raise DatasetError(f"{path}: no usable rows ({report.skipped} skipped)")
     return tasks, report
+
+
+def check_encodable(task: Task) -> None:
+    """A question or answer no tokenizer can take — a lone UTF-16 surrogate, which JSON's ``\\ud800``
+    escapes produce — is refused at load (``ValueError``), not at every episode that samples it."""
+    for what, text in [("question", task.question), *(("answer", a) for a in task.answers)]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ValueError(f"the {what} is not valid Unicode text: {err.reason} (U+{ord(text[err.start]):04X}) "
+                             f"at character {err.start}; fix the file's escapes") from None
 
 
 def require_text(row: dict[str, Any], *fields: str) -> tuple[str, str]:

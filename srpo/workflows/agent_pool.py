@@ -7,8 +7,9 @@ and gives it back when the program returns.  A program that overruns ``timeout_s
 its worker — nothing of it can hold the run or answer into a later episode — and the next
 episode that needs a worker starts a fresh one.
 
-Workers live as long as the pool (the process, for the shared pool of :func:`shared`), so their
-start-up (Python and the program's imports, ~0.5–2 s) is paid once, not per episode.
+Workers live as long as the pool — the workflow that made it: a run's, between its steps — so their
+start-up (Python and the program's imports, ~0.5–2 s) is paid once, not per episode.  Each costs
+its program's imports in memory (~100 MB with the ``openai`` client): ``max_workers`` bounds it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -87,6 +89,7 @@ class AgentPool:
         self._freed: asyncio.Condition | None = None
         self._loop = None
         self._closed = False
+        _LIVE.add(self)
         # One thread per worker waits on its reply (bounded by the deadline, so none is ever stuck).
         self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="srpo-agent")
 
@@ -239,22 +242,10 @@ class AgentPool:
                 self._discard(self._idle.pop())
 
 
-_SHARED: dict[tuple[str, int], AgentPool] = {}
-_SHARED_LOCK = threading.Lock()
-
-
-def shared(entry: str, gateway, max_workers: int, python: str = "") -> AgentPool:
-    """This process's pool for ``entry`` behind ``gateway`` (workers are kept between steps)."""
-    with _SHARED_LOCK:
-        key = (entry, id(gateway), python)
-        pool = _SHARED.get(key)
-        if pool is None or pool.gateway is not gateway:
-            pool = _SHARED[key] = AgentPool(entry, gateway, max_workers, python)
-        pool.max_workers = max_workers
-        return pool
+_LIVE: "weakref.WeakSet[AgentPool]" = weakref.WeakSet()
 
 
 @atexit.register
 def _close_all() -> None:
-    for pool in list(_SHARED.values()):
+    for pool in list(_LIVE):
         pool.close()

@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import re
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal
@@ -177,7 +178,11 @@ class OpenAIAgent(Workflow):
     async def _run_in_worker(self, gateway, backend, task):
         from srpo.workflows import agent_pool
 
-        pool = agent_pool.shared(self.entry, gateway, self.max_workers, self.python)
+        pool = getattr(self, "_pool", None)
+        if pool is None or pool.gateway is not gateway:
+            # The workers live with this workflow: closed when it is (a run's end, a study's next cell).
+            pool = self._pool = agent_pool.AgentPool(self.entry, gateway, self.max_workers, self.python)
+            weakref.finalize(self, pool.close)
         try:
             return await pool.run(task, backend, self.timeout_s, waiting=getattr(backend.ctx.runtime, "outside_generation", None))
         except agent_pool.ProgramTimeout as err:
