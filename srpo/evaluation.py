@@ -91,6 +91,7 @@ def _evaluate_dataset(runtime, workflow, name: str, tasks: list[Task], k: int, m
                                            "answer": ep.answer, "reward": ep.reward, "tokens": ep.generated_tokens,
                                            "info": {key: v for key, v in ep.info.items()
                                                     if isinstance(v, (int, float, str, bool))}}) + "\n")
+            ep = None  # the loop variable would hold the chunk's last episode into the next chunk
             if bar is not None:
                 bar.update(len(jobs[start:start + chunk]))
                 bar.set_postfix(dataset=name, acc=f"{correct / max(seen, 1):.3f}")

@@ -1,0 +1,114 @@
+"""Reliability IV (the rest of issue #38): rows no tokenizer can take, evaluation memory flat in k,
+a checkpoint pruned while it loads, and Ctrl-C during a step.  (srpo serve under load:
+tests/test_serve_load.py.)"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import weakref
+from pathlib import Path
+
+import pytest
+
+from srpo.tasks.base import DatasetError
+from test_reliability_runs import ENV, cli_train, trained  # noqa: F401  (shared helpers)
+
+
+def test_a_row_no_tokenizer_can_take_is_refused_at_load_naming_file_and_line(tmp_path):
+    from srpo.tasks.math import load_math
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"question": "What is 1 + 1?", "answer": "2"}\n'
+                    '{"question": "What is \\ud800 + 1?", "answer": "3"}\n')
+    with pytest.raises(DatasetError, match=rf"{path}, line 2: the question is not valid Unicode text: surrogates not "
+                                           r"allowed \(U\+D800\) at character 8"):
+        load_math(path)
+    tasks, report = load_math(path, skip_bad_rows=True)
+    assert [t.question for t in tasks] == ["What is 1 + 1?"] and report.skipped == 1
+
+
+def test_evaluation_keeps_no_episode_past_its_chunk_and_writes_every_one(tmp_path, monkeypatch):
+    from srpo.evaluation import evaluate
+    from srpo.policies.scripted import ScriptedPolicies
+    from srpo.tasks.base import Task
+    from srpo.workflows.builtins import build_workflow
+    from srpo.workflows.runtime import Runtime
+
+    workflow = build_workflow("single")
+    policies = ScriptedPolicies(lambda role, prompt: "The answer is 2.", workflow.roles())
+    refs: list[weakref.ref] = []  # every episode the runtime returned (EpisodeResult is unhashable)
+    most = []
+    real_run = Runtime.run
+
+    def run(self, wf, jobs):
+        gc.collect()
+        most.append(sum(r() is not None for r in refs))  # episodes of earlier chunks still held now
+        out = real_run(self, wf, jobs)
+        refs.extend(weakref.ref(ep) for ep in out)
+        return out
+
+    monkeypatch.setattr(Runtime, "run", run)
+    tasks = [Task(f"t{i}", f"What is 1 + {i}?", (str(1 + i),), "math") for i in range(40)]
+    k = 8
+    results = evaluate(policies, workflow, workflow.default_role_specs(), {"set": tasks}, k=k,
+                       episodes_path=tmp_path / "episodes.jsonl")
+    gc.collect()
+    assert len(most) > 3 and max(most) == 0  # flat: nothing kept across chunks
+    assert not any(r() is not None for r in refs)
+    lines = [json.loads(x) for x in (tmp_path / "episodes.jsonl").read_text().splitlines()]
+    assert len(lines) == 40 * k and {(x["task_id"], x["sample"]) for x in lines} == {
+        (f"t{i}", j) for i in range(40) for j in range(k)}
+    assert results["datasets"]["set"][f"avg@{k}"] == pytest.approx(1 / 40)  # only 1 + 1 = 2 is right
+    assert sum(x["reward"] for x in lines) == k
+
+
+@pytest.mark.slow
+def test_a_checkpoint_pruned_while_it_loads_gives_way_to_the_newest(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    from srpo import build, cli
+
+    run = tmp_path / "run"
+    trained(run, ["run.steps=2"])
+    first = cli._checkpoint_for_eval(str(run))
+    newer = first.with_name("step-00000099")
+    shutil.copytree(first, newer)  # what the still-running training saves meanwhile
+    team = build.team(build.config_from_dict(build.checkpoint_config(first), training=False))
+    real = team.policies.load_pretrained_weights
+
+    def load(folder):
+        if Path(folder).parent == first:  # ... pruning the checkpoint this evaluation began to load
+            shutil.rmtree(first)
+            raise FileNotFoundError(f"{folder}/shared/model.safetensors")
+        return real(folder)
+
+    team.policies.load_pretrained_weights = load
+    monkeypatch.setattr(cli, "_checkpoint_for_eval", lambda model: newer)
+    assert cli._load_checkpoint(team, first, str(run)) == newer
+    assert f"checkpoint {first.name} was pruned by the still-running training while it loaded; loading the " \
+           f"newest, step-00000099" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_step_exits_within_seconds(tmp_path):
+    """SIGINT while rewards run slow (2 s each): the run ends promptly, not after the step."""
+    run = tmp_path / "run"
+    tests_dir = Path(__file__).resolve().parent
+    env = {**ENV, "PYTHONPATH": f"{ENV['PYTHONPATH']}{os.pathsep}{tests_dir}"}
+    proc = subprocess.Popen(cli_train(run, ["run.steps=50", "task.reward=slow_reward:reward"]), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (run / "metrics.jsonl").is_file() and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)  # inside the next step's rewards
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=60)
+    assert time.monotonic() - start < 3.0
+    assert proc.returncode != 0
