@@ -112,3 +112,48 @@ def test_ctrl_c_during_a_step_exits_within_seconds(tmp_path):
     proc.communicate(timeout=60)
     assert time.monotonic() - start < 3.0
     assert proc.returncode != 0
+
+
+class _ToolThenAsk:
+    """A workflow that calls a tool (slow for some episodes), then asks the solver."""
+
+    def __init__(self, delays):
+        self.delays = delays  # episode id → seconds its tool takes
+
+    async def run(self, ctx, task):
+        def tool():
+            time.sleep(self.delays.get(ctx.episode_id, 0.0))
+            return "found"
+
+        result = await ctx.call_tool("search", tool)
+        return (await ctx.ask("solver", f"{task.question} ({result.value if result.ok else 'no result'})")).text
+
+
+def _tool_run(delays, tool_timeout_s=10.0):
+    import torch
+
+    from srpo.policies.layouts import build_policies
+    from srpo.policies.sampling import SamplingParams
+    from srpo.tasks.base import Task
+    from srpo.workflows.runtime import RoleSpec, Runtime
+
+    policies = build_policies("shared", "tiny-llama", ["solver"], seed=0)
+    runtime = Runtime(policies, {"solver": RoleSpec("solver", sampling=SamplingParams(max_new_tokens=8))},
+                      lambda t, a: 0.0, generator=torch.Generator().manual_seed(0), tool_timeout_s=tool_timeout_s)
+    tasks = [Task(f"t{i}", f"What is {i} + 1?", (str(i + 1),), "math") for i in range(4)]
+    return runtime.run(_ToolThenAsk(delays), [(f"e{i}", t) for i, t in enumerate(tasks)])
+
+
+def test_a_frozen_tool_costs_its_call_its_time_limit_and_nothing_else():
+    start = time.monotonic()
+    results = _tool_run({"e1": 30.0}, tool_timeout_s=1.0)  # e1's service never answers
+    assert time.monotonic() - start < 10  # not 30 s: the call is abandoned, the loop never blocked
+    assert [r.info.get("tool_timeouts", 0) for r in results] == [0, 1, 0, 0]
+
+
+def test_the_batch_and_its_samples_do_not_depend_on_which_tool_finished_first():
+    first = _tool_run({"e0": 0.6, "e3": 0.0})
+    second = _tool_run({"e0": 0.0, "e3": 0.6})  # the other order of arrival at the batch
+    assert [r.answer for r in first] == [r.answer for r in second]
+    assert [[m.completion_ids for e in r.events for m in e.members] for r in first] == \
+           [[m.completion_ids for e in r.events for m in e.members] for r in second]

@@ -163,12 +163,15 @@ class EpisodeContext:
         return outputs  # type: ignore[return-value]
 
     async def call_tool(self, name: str, fn: Callable[..., Any], *args, **kwargs) -> ToolResult:
-        """Run a tool with the runtime's time limit; an error or timeout is a failed result, counted."""
+        """Run a tool with the runtime's time limit; an error or timeout is a failed result, counted.
+        The tool runs in a daemon thread of its own while the other episodes go on: a frozen
+        service costs this call its time limit — not the event loop, and not the process's exit."""
         try:
-            future = self.runtime.tool_pool.submit(fn, *args, **kwargs)
-            value = future.result(timeout=self.runtime.tool_timeout_s)
+            value = await asyncio.wait_for(asyncio.wrap_future(in_daemon_thread(f"srpo-tool-{name}", fn, *args,
+                                                                                **kwargs)),
+                                           timeout=self.runtime.tool_timeout_s)
             return ToolResult(True, value)
-        except concurrent.futures.TimeoutError:
+        except asyncio.TimeoutError:
             self.count("tool_timeouts")
             self.runtime.record_failure("tool", f"{name} timed out after {self.runtime.tool_timeout_s}s")
             return ToolResult(False, error=f"{name} timed out")
@@ -179,6 +182,24 @@ class EpisodeContext:
 
 
 RewardFn = Callable[[Task, str], float]
+
+
+def in_daemon_thread(name: str, fn: Callable[..., Any], *args, **kwargs) -> concurrent.futures.Future:
+    """``fn(*args, **kwargs)`` in a daemon thread of its own; its future.  A daemon thread, not a
+    pool's: user code that never returns (a reward, a tool on a frozen service) must hold neither
+    the interpreter's exit (a pool's threads are joined then) nor a pool slot other calls need."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def call():
+        try:
+            value, error = fn(*args, **kwargs), None
+        except BaseException as err:  # noqa: BLE001 - handed to the caller, which counts it
+            value, error = None, err
+        if future.set_running_or_notify_cancel():  # False: the caller was cancelled meanwhile
+            future.set_exception(error) if error is not None else future.set_result(value)
+
+    threading.Thread(target=call, name=name, daemon=True).start()
+    return future
 
 
 def render_prompt_ids(tok, spec: RoleSpec, content: str, prefix: str = "") -> list[int]:
@@ -233,7 +254,6 @@ class Runtime:
         self.reward_timeout_s = reward_timeout_s
         self.failure_reward = failure_reward
         self.drop_failed_episodes = drop_failed_episodes
-        self.tool_pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="srpo-tool")
         self.failures: dict[str, int] = {}
         self.first_traceback: dict[str, str] = {}
         self.generate_calls: list[int] = []
@@ -267,7 +287,12 @@ class Runtime:
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in requests]
         first = not self._pending
-        self._pending.extend(zip(requests, futures))
+        # Each request's place in the batch: its episode's place in the run, then the episode's
+        # own order — so a batch's rows (and the sampler's draws) do not depend on which episode's
+        # tool or reward happened to finish first.
+        episode = self._order.get(episode_id, len(self._order))
+        calls = self._calls[episode] = self._calls.get(episode, 0) + 1
+        self._pending.extend(((episode, calls, i), r, f) for i, (r, f) in enumerate(zip(requests, futures)))
         self._waiting.add(episode_id if episode_id is not None else object())
         if first and self._max_wait_s is not None:
             # Programs outside the runtime (the OpenAI gateway) may be busy with other work: do not
@@ -326,7 +351,7 @@ class Runtime:
                 self._timer.cancel()
                 self._timer = None
             # Requests of episodes that were cancelled meanwhile need no generation.
-            pending = [(r, f) for r, f in self._pending if not f.done()]
+            pending = [(r, f) for _, r, f in sorted(self._pending, key=lambda p: p[0]) if not f.done()]
             self._pending, self._waiting = [], set()
             if self._closing:
                 for _, fut in pending:
@@ -393,21 +418,13 @@ class Runtime:
         """``reward_fn(task, answer)`` in a daemon thread of its own, waited for at most
         ``reward_timeout_s`` (asyncio.TimeoutError beyond).  A daemon thread, not a pool's: a reward
         that never returns must not hold the interpreter's exit (a pool's threads are joined then)."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-
-        def call():
-            try:
-                value, error = self.reward_fn(task, answer), None
-            except BaseException as err:  # noqa: BLE001 - handed to the episode, which counts it
-                value, error = None, err
-            if future.set_running_or_notify_cancel():  # False: the episode was cancelled meanwhile
-                future.set_exception(error) if error is not None else future.set_result(value)
-
-        threading.Thread(target=call, name="srpo-reward", daemon=True).start()
+        future = in_daemon_thread("srpo-reward", self.reward_fn, task, answer)
         return await asyncio.wait_for(asyncio.wrap_future(future), timeout=self.reward_timeout_s)
 
     async def _run_all(self, workflow, jobs: Sequence[tuple[str, Task]]) -> list[EpisodeResult]:
-        self._pending: list[tuple[GenerationRequest, asyncio.Future]] = []
+        self._pending: list[tuple[tuple[int, int, int], GenerationRequest, asyncio.Future]] = []
+        self._order = {eid: i for i, (eid, _) in enumerate(jobs)}  # episode id → its place in the run
+        self._calls: dict[int, int] = {}  # generate() calls made by each episode so far
         self._active = len(jobs)
         self._outside = 0  # live episodes waiting on something other than generation
         self._waiting: set = set()  # episodes (ids) with at least one pending request
