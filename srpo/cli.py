@@ -55,6 +55,7 @@ def _train(args) -> int:
     trainer.backend.close()
     if trainer.backend.rank == 0:
         print(trainer.failure_summary(), file=sys.stderr if trainer.totals["failed"] else sys.stdout)
+        print(trainer.memory_summary())
         if code == 0:
             print(f"done: {trainer.step} steps; metrics in {Path(cfg.run.output_dir) / 'metrics.jsonl'}")
     return code

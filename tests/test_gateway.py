@@ -3,6 +3,7 @@ built-in workflows, real clients (openai, LangGraph) trained end to end, and ser
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -470,6 +471,13 @@ def test_a_trained_team_is_served_and_evaluated(tmp_path):
         assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.completion_tokens <= 4
         answer = client.responses.create(model="aggregator", input="1+1?", max_output_tokens=4)
         assert answer.status in ("completed", "incomplete") and answer.usage.output_tokens <= 4
+        if importlib.util.find_spec("agents") is not None:  # the Agents SDK, on its default (Responses) path
+            from agents import Agent, OpenAIResponsesModel, RunConfig, Runner
+
+            model = OpenAIResponsesModel("aggregator", openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0))
+            result = Runner.run_sync(Agent(name="a", model=model), "1+1?",
+                                     run_config=RunConfig(tracing_disabled=True))
+            assert isinstance(result.final_output, str)
     finally:
         proc.terminate()
         proc.wait(timeout=30)

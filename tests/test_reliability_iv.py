@@ -157,3 +157,19 @@ def test_the_batch_and_its_samples_do_not_depend_on_which_tool_finished_first():
     assert [r.answer for r in first] == [r.answer for r in second]
     assert [[m.completion_ids for e in r.events for m in e.members] for r in first] == \
            [[m.completion_ids for e in r.events for m in e.members] for r in second]
+
+
+def test_a_run_logs_its_peak_memory_and_states_it_against_the_floor(tmp_path):
+    from srpo.metrics_log import read_metrics
+    from srpo.train import memory
+
+    trainer = trained(tmp_path / "run", ["run.steps=2"])
+    rows = read_metrics(tmp_path / "run")
+    assert all(0 < r["memory/rss_gb"] <= r["memory/peak_rss_gb"] for r in rows)
+    assert rows[0]["memory/peak_rss_gb"] <= rows[1]["memory/peak_rss_gb"]  # a peak so far never falls
+    floor = memory.floor_bytes(trainer.policies.modules(), trainer.optimizers.values())
+    model = trainer.policies.modules()[0]
+    n = sum(p.numel() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert floor == 16 * n + buffers  # float32 weights, gradients and two AdamW moments (+ rotary tables)
+    assert f"the floor of {floor / memory.GB:.2f} GB" in trainer.memory_summary()

@@ -47,7 +47,7 @@ from srpo.methods import assign_advantages
 from srpo.policies.layouts import PolicySet
 from srpo.rollout.engine import EngineOutOfSync
 from srpo.run_dir import RunDirError, RunLock
-from srpo.train import state
+from srpo.train import memory, state
 from srpo.train.diagnostics import RolloutMismatch, episode_metrics, episode_record
 from srpo.train.state import TrainingStopped  # noqa: F401  (part of this module's API)
 from srpo.train.update import PolicyUpdate
@@ -239,6 +239,7 @@ class Trainer:
         metrics.update(episode_metrics(episodes, valid, dropped, self.totals))
         self.count_failures(metrics)
         metrics.update(self.mismatch.metrics())
+        metrics.update(memory.memory_metrics(build.device(self.cfg)))
         for key, count in getattr(self.retriever, "stats", {}).items():  # a retrieval server's client
             metrics[f"retriever/{key}"] = count  # since the run (this process) started
         metrics.update({"time/rollout_s": t_rollout, "time/update_s": t_update,
@@ -339,6 +340,17 @@ class Trainer:
             self.totals[f"failed/{kind}"] += float(metrics.get(f"episodes/{kind}", 0.0))
         failing = failed > self.cfg.run.max_failed_fraction * max(metrics.get("episodes", 0.0), 1.0)
         self.totals["failing_steps_in_a_row"] = self.totals["failing_steps_in_a_row"] + 1 if failing else 0
+
+    def memory_summary(self) -> str:
+        """One line: the run's peak memory against its floor (weights, gradients, AdamW moments)."""
+        floor = memory.floor_bytes(self.policies.modules(), self.optimizers.values())
+        peak = memory.peak_rss_bytes()
+        text = (f"memory: peak {peak / memory.GB:.2f} GB resident, {peak / floor:.1f}× the floor of "
+                f"{floor / memory.GB:.2f} GB (weights, gradients, AdamW moments)")
+        device = build.device(self.cfg)
+        if device.type == "cuda":
+            text += f"; GPU peak {memory.memory_metrics(device)['memory/gpu_peak_gb']:.2f} GB"
+        return text
 
     def failure_summary(self) -> str:
         """One line: how many of the run's episodes failed, and how."""

@@ -1,0 +1,65 @@
+"""How much memory a run holds against what it cannot do without.
+
+- :func:`memory_metrics` — logged every step: ``memory/peak_rss_gb`` (the process's peak resident
+  set so far: Linux's VmHWM, else ``getrusage``), ``memory/rss_gb`` (now) and, on CUDA,
+  ``memory/gpu_peak_gb`` (the allocator's peak since the run started);
+- :func:`floor_bytes` — the floor: every weight at its dtype, plus a gradient and AdamW's two
+  moments for every trainable parameter (what full training needs before any activation).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+
+import torch
+
+GB = 1 << 30
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def peak_rss_bytes() -> int:
+    kib = _status_kib("VmHWM")
+    if kib is not None:
+        return kib * 1024
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
+
+
+def rss_bytes() -> int:
+    kib = _status_kib("VmRSS")
+    if kib is not None:
+        return kib * 1024
+    with open("/proc/self/statm") as f:  # pragma: no cover — Linux has VmRSS
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_metrics(device: torch.device | None = None) -> dict[str, float]:
+    out = {"memory/peak_rss_gb": peak_rss_bytes() / GB, "memory/rss_gb": rss_bytes() / GB}
+    if device is not None and device.type == "cuda" and torch.cuda.is_available():
+        out["memory/gpu_peak_gb"] = torch.cuda.max_memory_allocated(device) / GB
+    return out
+
+
+def floor_bytes(modules, optimizers) -> int:
+    """Weights (each module's parameters and buffers, shared tensors once) + for every parameter an
+    optimizer updates: its gradient and two AdamW moments in its dtype."""
+    seen, total = set(), 0
+    for module in modules:
+        for t in [*module.parameters(), *module.buffers()]:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+    trained = {id(p): p for opt in optimizers for group in opt.param_groups for p in group["params"]}
+    return total + sum(3 * p.numel() * p.element_size() for p in trained.values())
