@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TIMING_KEYS = ("time/",)
+TIMING_KEYS = ("time/", "memory/")  # wall-clock and resident memory differ between runs
 # 130: srpo caught the Ctrl-C and said "interrupted"; -2: the signal ended the interpreter before
 # srpo's handler was in place or after it returned (start-up imports, exit).  Either is prompt.
 SIGINT_EXITS = {130, -signal.SIGINT}

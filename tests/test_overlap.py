@@ -42,7 +42,7 @@ def test_staleness_one_overlaps_logs_its_staleness_and_resumes_exactly(tmp_path)
     _run(tmp_path / "cut", steps, kill_after=3)
     assert steps_logged(tmp_path / "cut") == [1, 2, 3]
     _run(tmp_path / "cut", steps, resume=True)
-    strip = lambda r: {k: v for k, v in r.items() if not k.startswith("time/")}  # noqa: E731
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(("time/", "memory/"))}  # noqa: E731
     assert [strip(r) for r in read_metrics(tmp_path / "cut")] == [strip(r) for r in rows]
     a, b = _final_weights(tmp_path / "ref"), _final_weights(tmp_path / "cut")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -52,7 +52,7 @@ def test_staleness_zero_is_the_synchronous_loop(tmp_path):
     rows0 = read_metrics((_run(tmp_path / "a", ["run.steps=2", "run.threads=1"]), tmp_path / "a")[1])
     rows1 = read_metrics((_run(tmp_path / "b", ["run.steps=2", "run.threads=1", "rollout.max_staleness=0"]),
                           tmp_path / "b")[1])
-    strip = lambda r: {k: v for k, v in r.items() if not k.startswith("time/")}  # noqa: E731
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(("time/", "memory/"))}  # noqa: E731
     assert [strip(r) for r in rows0] == [strip(r) for r in rows1]
     assert all(r["rollout/staleness_max"] == 0 and "time/overlap_s" not in r for r in rows0)
 
@@ -70,7 +70,7 @@ def test_a_run_killed_with_a_rollout_in_flight_resumes_without_losing_or_repeati
     proc.wait()
     again = subprocess.run(cli_train(victim, extra, ["--resume"]), env=ENV, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-2000:]
-    strip = lambda r: {k: v for k, v in r.items() if not k.startswith("time/")}  # noqa: E731
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(("time/", "memory/"))}  # noqa: E731
     assert [strip(r) for r in read_metrics(victim)] == [strip(r) for r in read_metrics(tmp_path / "ref")]
     episodes = lambda run: [(row["step"], row["episode"], row["answer"]) for row in _samples(run)]  # noqa: E731
     assert episodes(victim) == episodes(tmp_path / "ref")  # each logged once, in order, the same samples
@@ -149,7 +149,7 @@ def test_staleness_one_resumes_every_rank_exactly_under_ddp(tmp_path):
     assert len(batches) == 2 and all(batches), "both ranks' step-3 batches are saved"
     assert {e["episode_id"] for e in batches[0]}.isdisjoint(e["episode_id"] for e in batches[1])
     launch(tmp_path / "cut", "--resume")
-    strip = lambda r: {k: v for k, v in r.items() if not k.startswith("time/")}  # noqa: E731
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(("time/", "memory/"))}  # noqa: E731
     assert [strip(r) for r in read_metrics(tmp_path / "cut")] == [strip(r) for r in read_metrics(tmp_path / "ref")]
     samples = lambda run: (run / "samples.jsonl").read_text().splitlines()  # noqa: E731
     assert samples(tmp_path / "cut")[-8:] == samples(tmp_path / "ref")[-8:]
