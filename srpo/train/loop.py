@@ -345,8 +345,8 @@ class Trainer:
         """One line: the run's peak memory against its floor (weights, gradients, AdamW moments)."""
         floor = memory.floor_bytes(self.policies.modules(), self.optimizers.values())
         peak = memory.peak_rss_bytes()
-        text = (f"memory: peak {peak / memory.GB:.2f} GB resident, {peak / floor:.1f}× the floor of "
-                f"{floor / memory.GB:.2f} GB (weights, gradients, AdamW moments)")
+        text = (f"memory: peak {memory.human(peak)} resident, {peak / floor:.1f}× the floor of "
+                f"{memory.human(floor)} (weights, gradients, AdamW moments)")
         device = build.device(self.cfg)
         if device.type == "cuda":
             text += f"; GPU peak {memory.memory_metrics(device)['memory/gpu_peak_gb']:.2f} GB"

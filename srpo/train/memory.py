@@ -18,6 +18,11 @@ import torch
 GB = 1 << 30
 
 
+def human(n: int) -> str:
+    """Bytes as GB, or as MB below a tenth of a GB (a tiny test model's floor is a megabyte)."""
+    return f"{n / GB:.2f} GB" if n >= GB / 10 else f"{n / 2**20:.1f} MB"
+
+
 def _status_kib(field: str) -> int | None:
     try:
         with open("/proc/self/status", encoding="ascii") as f:
