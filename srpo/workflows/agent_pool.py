@@ -119,19 +119,15 @@ class AgentPool:
             if not conn.poll(self.START_TIMEOUT_S):
                 raise WorkerStartError(f"a worker for {self.entry} did not load it within {self.START_TIMEOUT_S:g} s")
             reply = conn.recv()
-        except (EOFError, OSError):
+            if reply[0] != "ready":
+                raise WorkerStartError(reply[1])
+        except (WorkerStartError, EOFError, OSError) as err:  # every failed start: no worker, no URL left
             worker.kill()
             self.gateway.release(token)
+            if isinstance(err, WorkerStartError):
+                raise
             raise WorkerStartError(f"a worker for {self.entry} died while loading it (exit code "
                                    f"{process.poll()}; its output is above)") from None
-        except WorkerStartError:
-            worker.kill()
-            self.gateway.release(token)
-            raise
-        if reply[0] != "ready":
-            worker.kill()
-            self.gateway.release(token)
-            raise WorkerStartError(reply[1])
         return worker
 
     def _program_path(self) -> list[str]:
