@@ -43,13 +43,13 @@ def main() -> None:
                          settings=EngineSettings(gpu_memory_utilization=0.1, max_model_len=1024))
     start_s = time.perf_counter() - t0
     rates: dict[str, list[float]] = {"srpo decoder (bf16 autocast)": [], "vLLM engine (bf16)": []}
-    warm = Runtime(engine_policies, specs, task_reward, generator=torch.Generator().manual_seed(0), engine=engine)
+    warm = Runtime(engine, specs, task_reward, generator=torch.Generator().manual_seed(0), policies=engine_policies)
     warm.run(wf, jobs[:4])  # the engine's first call compiles/warms its kernels
     try:
         for _ in range(args.rounds):
             for name, policies, sampler in (("srpo decoder (bf16 autocast)", hf, None),
                                             ("vLLM engine (bf16)", engine_policies, engine)):
-                rt = Runtime(policies, specs, task_reward, generator=torch.Generator().manual_seed(0), engine=sampler)
+                rt = Runtime(sampler, specs, task_reward, generator=torch.Generator().manual_seed(0), policies=policies)
                 t = time.perf_counter()
                 with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=policies is hf):
                     episodes = rt.run(wf, jobs)

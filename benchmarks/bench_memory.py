@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(ckpt: bool, steps: int, threads: int, folder: Path) -> dict:
-    from srpo.demo import DEMO_CONFIG
+    from srpo.apps.demo import DEMO_CONFIG
 
     cfg = json.loads(json.dumps(DEMO_CONFIG))
     cfg["run"].update({"output_dir": str(folder), "steps": steps, "threads": threads})
@@ -33,7 +33,7 @@ def run(ckpt: bool, steps: int, threads: int, folder: Path) -> dict:
     cfg.setdefault("log", {})["tensorboard"] = False
     path = folder.with_suffix(".yaml")
     path.write_text(json.dumps(cfg))  # JSON is YAML
-    out = subprocess.run([sys.executable, "-m", "srpo.cli", "train", "--config", str(path), "--overwrite"],
+    out = subprocess.run([sys.executable, "-m", "srpo.apps.cli", "train", "--config", str(path), "--overwrite"],
                          capture_output=True, text=True, cwd=ROOT)
     if out.returncode != 0:
         raise SystemExit(out.stderr[-2000:])

@@ -31,11 +31,11 @@ def child(staleness: int, threads: int, steps: int, k: int, run_dir: str, tis_ca
     import torch
 
     from srpo import build
-    from srpo.demo import DEMO_CONFIG
+    from srpo.apps.demo import DEMO_CONFIG
     from srpo.build import config_from_dict
     from srpo.config import apply_overrides
     from srpo.evaluation import evaluate
-    from srpo.metrics_log import read_metrics
+    from srpo.runs.metrics_log import read_metrics
     from srpo.train import Trainer
 
     torch.set_num_threads(threads)

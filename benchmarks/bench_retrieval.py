@@ -48,7 +48,7 @@ def main() -> None:
     local = BM25Retriever(load_corpus(CORPUS))
     index_s = time.perf_counter() - t0
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "srpo.cli", "retriever", "serve", "--corpus", str(CORPUS),
+    server = subprocess.Popen([sys.executable, "-m", "srpo.apps.cli", "retriever", "serve", "--corpus", str(CORPUS),
                                "--port", str(port)], env={**os.environ, "PYTHONPATH": str(ROOT)},
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

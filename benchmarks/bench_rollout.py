@@ -26,6 +26,7 @@ def main() -> None:
     from srpo.policies import SamplingParams, build_policies
     from srpo.tasks.math import synthetic_arithmetic
     from srpo.tasks.rewards import task_reward
+    from srpo.rollout.builtin import BuiltinEngine
     from srpo.workflows import Runtime, build_workflow
     from dataclasses import replace
 
@@ -41,7 +42,7 @@ def main() -> None:
         for name, wf in flows.items():
             specs = {r: replace(s, sampling=SamplingParams(temperature=1.0, max_new_tokens=64))
                      for r, s in wf.default_role_specs().items()}
-            rt = Runtime(policies, specs, task_reward, generator=torch.Generator().manual_seed(0))
+            rt = Runtime(BuiltinEngine(policies), specs, task_reward, generator=torch.Generator().manual_seed(0))
             t = time.perf_counter()
             with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
                 episodes = rt.run(wf, jobs)

@@ -37,7 +37,7 @@ def main() -> None:
     from srpo.policies.layouts import build_policies
     from srpo.policies.sampling import SamplingParams
     from srpo.rollout.builtin import BuiltinEngine
-    from srpo.workflows.runtime import RoleSpec
+    from srpo.types import RoleSpec
 
     torch.set_num_threads(args.threads)
     policies = build_policies("shared", args.model, ["writer"], seed=0)

@@ -35,7 +35,7 @@ TIMING_KEYS = ("time/", "memory/")  # wall-clock and resident memory differ betw
 # 130: srpo caught the Ctrl-C and said "interrupted"; -2: the signal ended the interpreter before
 # srpo's handler was in place or after it returned (start-up imports, exit).  Either is prompt.
 SIGINT_EXITS = {130, -signal.SIGINT}
-SIGTERM_EXITS = {143, -signal.SIGTERM}  # 143: saved at the next step end (srpo.preemption)
+SIGTERM_EXITS = {143, -signal.SIGTERM}  # 143: saved at the next step end (srpo.runs.preemption)
 
 
 def train_command(run_dir: Path, steps: int, resume: bool) -> list[str]:
@@ -43,7 +43,7 @@ def train_command(run_dir: Path, steps: int, resume: bool) -> list[str]:
                  "model.autocast_bf16=false", "workflow.options={num_workers: 2}", "workflow.max_new_tokens=8",
                  "train.tasks_per_step=2", "train.group_size=2", "train.lr=0.01", "task.train.n=16",
                  "checkpoint.every=1", "checkpoint.keep=2", "log.tensorboard=false"]
-    return [sys.executable, "-m", "srpo.cli", "train", "--config", str(ROOT / "configs/math/parallel_aggregate/srpo.yaml"),
+    return [sys.executable, "-m", "srpo.apps.cli", "train", "--config", str(ROOT / "configs/math/parallel_aggregate/srpo.yaml"),
             *[x for o in overrides for x in ("--set", o)], *(["--resume"] if resume else [])]
 
 

@@ -243,7 +243,7 @@ def worker(args) -> None:
     from srpo.events import shard_events, validate_events
     from srpo.methods import assign_advantages
     from srpo.train import Trainer
-    from srpo.cli import _maybe_init_distributed
+    from srpo.apps.cli import _maybe_init_distributed
 
     _maybe_init_distributed(args.device)
     cfg = load_config(CONFIG, overrides(args, Path(args.worker_run), "train.optimizer=sgd", "train.lr=0.5",
@@ -405,7 +405,8 @@ def memory_worker(args) -> dict:
 def vllm_engine_check(args, tmp: Path) -> dict:
     import torch
 
-    from srpo.policies.layouts import GenerationRequest, build_policies
+    from srpo.policies.layouts import build_policies
+from srpo.policies.sampling import GenerationRequest
     from srpo.policies.sampling import SamplingParams
     from srpo.rollout.vllm import EngineSettings, VLLMRollout
 
@@ -479,7 +480,7 @@ def vllm_torchrun_check(args, tmp: Path, gpus: int, parallel: str = "ddp") -> di
     """``srpo train`` under torchrun on every GPU with the vLLM engine: each rank's engine must sit on
     its own GPU (every GPU holds memory afterwards, not GPU 0 alone) and agree with its trainer."""
     run = tmp / f"vllm-torchrun-{parallel}"
-    cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node", str(gpus), "-m", "srpo.cli", "train",
+    cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node", str(gpus), "-m", "srpo.apps.cli", "train",
            "--config", str(CONFIG), "--set",
            *overrides(args, run, "run.steps=1", "rollout.engine=vllm", "rollout.gpu_memory_utilization=0.2",
                       "train.tis_cap=2", "run.device=cuda", f"train.parallel={parallel}")]

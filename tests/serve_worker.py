@@ -8,7 +8,7 @@ from srpo.gateway.backends import ServeBackend
 from srpo.gateway.server import serve_forever
 from srpo.policies.sampling import Sample, SamplingParams
 from srpo.policies.scripted import ScriptedPolicies
-from srpo.workflows.runtime import RoleSpec
+from srpo.types import RoleSpec
 
 
 class SlowEngine:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from srpo.cli import main
+from srpo.apps.cli import main
 
 
 def test_train_eval_report_roundtrip(tmp_path, capsys):

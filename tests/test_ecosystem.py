@@ -15,7 +15,7 @@ def tiny_train(run_dir, extra=()):
     overrides = [f"run.output_dir={run_dir}", "run.steps=3", "model.name=tiny-llama", "model.autocast_bf16=false",
                  "workflow.max_new_tokens=6", "train.tasks_per_step=2", "train.group_size=2", "train.lr=0.01",
                  "task.train.n=8", "checkpoint.every=2", "train.skip_zero_advantage=false", *extra]
-    return [sys.executable, "-m", "srpo.cli", "train", "--config", str(ROOT / "configs/math/single/srpo.yaml"),
+    return [sys.executable, "-m", "srpo.apps.cli", "train", "--config", str(ROOT / "configs/math/single/srpo.yaml"),
             *[x for o in overrides for x in ("--set", o)]]
 
 
@@ -110,7 +110,7 @@ def test_every_tracker_logs_offline_and_the_metric_reads_back(tmp_path, monkeypa
 def test_an_unknown_or_missing_tracker_fails_before_any_model(monkeypatch):
     from srpo.build import load_config
     from srpo.config import ConfigError
-    import srpo.trackers as trackers
+    import srpo.runs.trackers as trackers
 
     with pytest.raises(ConfigError, match="log.backends: 'comet' is not valid; valid: tensorboard, wandb, mlflow, trackio"):
         load_config(None, ["log.backends=[comet]"])
@@ -155,7 +155,7 @@ def bm25_server(request):
     """``srpo retriever serve`` as a user starts it, on 127.0.0.1 and a free port."""
     corpus = getattr(request, "param", "synthetic_kb:n=40:seed=2")
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "srpo.cli", "retriever", "serve", "--corpus", corpus,
+    proc = subprocess.Popen([sys.executable, "-m", "srpo.apps.cli", "retriever", "serve", "--corpus", corpus,
                              "--port", str(port)], env={**os.environ, "PYTHONPATH": str(ROOT)},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -250,6 +250,7 @@ def test_an_unreachable_or_slow_server_costs_the_tool_call_not_the_run():
     from srpo.tasks.rewards import task_reward
     from srpo.tasks.retrieval_service import HTTPRetriever, RetrieverUnavailable
     from srpo.tasks.search import synthetic_kb
+    from srpo.rollout.builtin import BuiltinEngine
     from srpo.workflows import Runtime, build_workflow
 
     _, tasks = synthetic_kb(6, seed=2)
@@ -259,7 +260,7 @@ def test_an_unreachable_or_slow_server_costs_the_tool_call_not_the_run():
     assert nowhere.stats == {"requests": 3, "retries": 2, "failures": 1, "timeouts": 0}
 
     wf = build_workflow("search", retriever=nowhere, max_turns=2)
-    rt = Runtime(ScriptedPolicies(lambda role, prompt: "<search>who</search>", wf.roles()), wf.default_role_specs(),
+    rt = Runtime(BuiltinEngine(ScriptedPolicies(lambda role, prompt: "<search>who</search>", wf.roles())), wf.default_role_specs(),
                  task_reward)
     results = rt.run(wf, [(f"e{i}", t) for i, t in enumerate(tasks[:3])])
     assert len(results) == 3 and all(r.info["tool_errors"] >= 1 for r in results)  # each search failed ...

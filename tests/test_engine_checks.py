@@ -129,7 +129,7 @@ def test_the_trainer_saves_and_stops_when_the_engine_is_out_of_sync(tmp_path, mo
     """The step completes and is logged, the trainer's (sound) weights are checkpointed, and the run
     stops with the engine's message — before any rollout from the bad engine."""
     from srpo import build
-    from srpo.metrics_log import read_metrics
+    from srpo.runs.metrics_log import read_metrics
     from srpo.rollout.builtin import BuiltinEngine
     from srpo.train import Trainer, TrainingStopped
     from test_reliability_runs import tiny, varied_reward

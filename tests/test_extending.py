@@ -173,7 +173,7 @@ def test_recipe_a_fast_decoder_for_another_architecture(mypkg):
 # ------------------------------------------------------------------ evaluation during training
 
 def test_eval_every_logs_heldout_curves_keeps_the_best_checkpoint_and_reports(tmp_path):
-    from srpo.report import write_summary
+    from srpo.apps.report import write_summary
 
     cfg = load_config(None, tiny(tmp_path, "run.steps=3", "eval.every=2", "eval.k=2", "eval.n=3",
                                  "task.eval=[{source: synthetic_arithmetic, level: 0, n: 5, seed: 9, name: held}]",
@@ -228,7 +228,7 @@ def test_paper_configs_name_their_evaluation_sets_and_evaluate_during_training()
 
 def test_every_config_in_configs_validates(tmp_path, monkeypatch):
     from srpo.config import Config, parse_section, read_yaml
-    from srpo.study import load_study
+    from srpo.apps.study import load_study
 
     # search_warmstart.yaml starts from the warm starts `srpo sft` writes first (paths from the root).
     monkeypatch.chdir(tmp_path)
@@ -254,7 +254,7 @@ def test_every_config_in_configs_validates(tmp_path, monkeypatch):
     studies = glob.glob(str(ROOT / "configs" / "studies" / "*.yaml"))
     studies = [s for s in studies if not s.endswith("_base.yaml")]
     assert len(studies) >= 5
-    from srpo.study import cells, references
+    from srpo.apps.study import cells, references
 
     checked = 0
     for s in studies:
@@ -283,7 +283,7 @@ def test_every_config_field_is_documented():
     ("eval: {k: 2, datasets: []}\naxes: {m: [{lable: a}]}", "axes.m[0].label: missing (a required key)"),
 ])
 def test_study_file_is_typed_and_every_cell_validated(tmp_path, text, message):
-    from srpo.study import load_study
+    from srpo.apps.study import load_study
 
     base = tmp_path / "base.yaml"
     base.write_text("run: {steps: 1}\nmodel: {name: tiny-llama}\n")
@@ -297,7 +297,7 @@ def test_study_file_is_typed_and_every_cell_validated(tmp_path, text, message):
 
 
 def test_one_override_syntax_several_per_flag(tmp_path):
-    from srpo.cli import build_parser
+    from srpo.apps.cli import build_parser
     from srpo.config import apply_overrides
 
     args = build_parser().parse_args(["train", "--config", "x.yaml", "--set", "train.lr=1.0e-5", "run.steps=3",
@@ -438,7 +438,7 @@ def test_lora_dropout_acts_in_the_update_forward_only(tmp_path):
 def test_config_show_lists_every_field_with_type_default_and_doc(capsys):
     """`srpo config show`: one entry per schema field (every one documented), bounds shown; with
     --config, the file's values next to the defaults."""
-    from srpo.cli import main
+    from srpo.apps.cli import main
     from srpo.config import Config, describe_fields
 
     fields = list(describe_fields())
@@ -465,14 +465,31 @@ def test_schema_choices_match_the_objective():
     assert set(typing.get_args(config.AdvantageScale)) == set(ADVANTAGE_SCALES)
 
 
-def test_config_is_a_leaf_and_there_are_no_import_circles():
-    """srpo/config.py imports nothing of srpo; the package's import graph has no cycle."""
+#: The layers of the package, lowest first: a module may import its own package and the layers
+#: below its own — never a layer above, nor another package of its own layer.  docs/architecture.md
+#: draws the same table (checked below).
+LAYERS = [
+    ("foundations", ["srpo.registry", "srpo.config", "srpo.runs", "srpo.stats"]),
+    ("objective", ["srpo.objective"]),
+    ("events", ["srpo.events", "srpo.integrations"]),
+    ("tasks and models", ["srpo.tasks", "srpo.policies", "srpo.methods"]),
+    ("shared types", ["srpo.types", "srpo.data"]),
+    ("engines and backends", ["srpo.rollout", "srpo.parallel"]),
+    ("gateway", ["srpo.gateway"]),
+    ("workflows", ["srpo.workflows"]),
+    ("evaluation", ["srpo.evaluation"]),
+    ("assembly", ["srpo.build"]),
+    ("training", ["srpo.train"]),
+    ("applications", ["srpo.apps"]),
+]
+
+
+def _import_graph():
+    """Module → the srpo modules it imports (``from srpo.x import y`` and ``import srpo.x``)."""
     import ast
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parents[1] / "srpo"
-    tree = ast.parse((root / "config.py").read_text())
-    assert not [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("srpo")]
     modules = {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): p
                for p in root.rglob("*.py")}
     deps: dict[str, set[str]] = {m: set() for m in modules}
@@ -480,17 +497,22 @@ def test_config_is_a_leaf_and_there_are_no_import_circles():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("srpo"):
                 targets = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
-                deps[name] |= {t for t in targets if t in modules and t != name}
-    # A package's __init__ re-exporting its own modules is not a cycle between modules.
-    for name in deps:
-        deps[name] = {d for d in deps[name] if not (name.startswith(d + ".") or d.startswith(name + "."))}
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names if a.name.startswith("srpo")]
+            else:
+                continue
+            deps[name] |= {t for t in targets if t in modules and t != name}
+    return root, deps
+
+
+def _assert_acyclic(deps: dict[str, set[str]], what: str) -> None:
     state: dict[str, int] = {}
 
     def visit(node, path):
         state[node] = 1
-        for nxt in deps[node]:
+        for nxt in sorted(deps[node]):
             if state.get(nxt) == 1:
-                raise AssertionError(f"import circle: {' -> '.join(path + [node, nxt])}")
+                raise AssertionError(f"{what} import circle: {' -> '.join(path + [node, nxt])}")
             if nxt not in state:
                 visit(nxt, path + [node])
         state[node] = 2
@@ -498,3 +520,38 @@ def test_config_is_a_leaf_and_there_are_no_import_circles():
     for name in sorted(deps):
         if name not in state:
             visit(name, [])
+
+
+def _package_of(module: str) -> str:
+    """``srpo.gateway.tools`` → ``srpo.gateway``; a top-level module is its own unit."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_config_is_a_leaf_and_there_are_no_import_circles():
+    """srpo/config.py imports nothing of srpo; neither the modules nor the packages import in a
+    circle; every import goes down the layers of LAYERS, which docs/architecture.md draws."""
+    import ast
+
+    root, deps = _import_graph()
+    tree = ast.parse((root / "config.py").read_text())
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("srpo")]
+    # A package's __init__ re-exporting its own modules is not a cycle between modules.
+    modules = {name: {d for d in ds if not (name.startswith(d + ".") or d.startswith(name + "."))}
+               for name, ds in deps.items()}
+    _assert_acyclic(modules, "module")
+    packages: dict[str, set[str]] = {}
+    for name, ds in modules.items():
+        packages.setdefault(_package_of(name), set())
+        packages[_package_of(name)] |= {_package_of(d) for d in ds if d != "srpo"} - {_package_of(name)}
+    packages.pop("srpo", None)  # srpo/__init__.py: the version only
+    _assert_acyclic(packages, "package")
+    layer = {pkg: i for i, (_, pkgs) in enumerate(LAYERS) for pkg in pkgs}
+    assert set(packages) == set(layer), f"packages not in LAYERS: {set(packages) ^ set(layer)}"
+    upward = [f"{a} (layer {LAYERS[layer[a]][0]}) imports {b} (layer {LAYERS[layer[b]][0]})"
+              for a, bs in packages.items() for b in bs if layer[b] >= layer[a]]
+    assert not upward, "imports that do not go down the layers:\n" + "\n".join(sorted(upward))
+    # The architecture page draws the same table.
+    doc = (root.parent / "docs" / "architecture.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| ([^|]+?) \| ([^|]+?) \|", doc, re.M)
+    assert [(name, sorted(p.strip("` ") for p in pkgs.split(","))) for _, name, pkgs in rows] == \
+        [(name, sorted(pkgs)) for name, pkgs in LAYERS]

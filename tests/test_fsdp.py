@@ -138,7 +138,7 @@ def test_an_fsdp_lora_run_resumed_from_its_checkpoint_ends_where_an_uninterrupte
 
 
 def srpo_train(run, steps, extra=()):
-    return ["-m", "srpo.cli", "train", "--config", str(ROOT / "configs/math/parallel_aggregate/srpo.yaml"),
+    return ["-m", "srpo.apps.cli", "train", "--config", str(ROOT / "configs/math/parallel_aggregate/srpo.yaml"),
             *[x for o in resume_overrides(str(run), steps) for x in ("--set", o)], *extra]
 
 

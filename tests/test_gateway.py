@@ -18,6 +18,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
+from srpo.rollout.builtin import BuiltinEngine  # noqa: E402
 from srpo.events import Member  # noqa: E402
 from srpo.gateway.dataflow import EpisodeRecorder  # noqa: E402
 from srpo.gateway.protocol import ProtocolError, parse_request  # noqa: E402
@@ -209,7 +210,7 @@ def test_the_endpoint_speaks_openai_to_the_openai_client(gateway):
 
 def test_a_port_in_use_is_one_clear_error(gateway):
     from srpo.gateway.server import Gateway
-    from srpo.serving import ServeError
+    from srpo.runs.serving import ServeError
 
     with pytest.raises(ServeError, match="in use"):
         Gateway(port=gateway.port)
@@ -238,7 +239,7 @@ def _run(workflow, roles, specs=None):
     from srpo.workflows.runtime import Runtime
 
     policies = ScriptedPolicies(_script, roles)
-    runtime = Runtime(policies, specs or workflow.default_role_specs(),
+    runtime = Runtime(BuiltinEngine(policies), specs or workflow.default_role_specs(),
                       task_kind("math").grade)
     results = runtime.run(workflow, [(f"e{i}", TASKS[i % len(TASKS)]) for i in range(8)])
     assert not runtime.failures, runtime.first_traceback
@@ -281,7 +282,7 @@ def test_a_program_that_fails_or_hangs_costs_its_episode_only(caplog):
     for program, counter, options in [("raises_sometimes", "workflow_errors", {}),
                                       ("sleeps", "program_timeouts", {"timeout_s": 1.0})]:
         agent = build_workflow("openai_agent", entry=f"{TEAMS}:{program}", roles=["solver"], **options)
-        runtime = Runtime(ScriptedPolicies(_script, ["solver"]), agent.default_role_specs(), lambda t, a: 1.0)
+        runtime = Runtime(BuiltinEngine(ScriptedPolicies(_script, ["solver"])), agent.default_role_specs(), lambda t, a: 1.0)
         tasks = [Task("a", "What is 2 + 1?", ("3",), "math"), Task("b", "What is 2 + 2?", ("4",), "math")]
         results = runtime.run(agent, [(f"e{i}", tasks[i % 2]) for i in range(4)])
         failed = [r for r in results if r.info.get("failed")]
@@ -301,7 +302,7 @@ def test_a_client_configured_once_per_process_lands_each_call_in_its_own_episode
     from srpo.workflows.runtime import Runtime
 
     agent = build_workflow("openai_agent", entry=f"{TEAMS}:{program}", roles=["solver"], max_workers=4)
-    runtime = Runtime(ScriptedPolicies(_script, ["solver"]), agent.default_role_specs(), lambda t, a: 1.0)
+    runtime = Runtime(BuiltinEngine(ScriptedPolicies(_script, ["solver"])), agent.default_role_specs(), lambda t, a: 1.0)
     results = runtime.run(agent, [(f"e{i}", TASKS[i]) for i in range(4)])
     assert not runtime.failures, runtime.first_traceback
     for r in results:  # one call each, holding its own task's question
@@ -321,7 +322,7 @@ def test_in_one_process_a_call_reaching_another_episode_stops_the_run(program):
     if program.startswith("agents"):
         pytest.importorskip("agents")
     agent = build_workflow("openai_agent", entry=f"{TEAMS}:{program}", roles=["solver"], isolation="thread")
-    runtime = Runtime(ScriptedPolicies(_script, ["solver"]), agent.default_role_specs(), lambda t, a: 1.0)
+    runtime = Runtime(BuiltinEngine(ScriptedPolicies(_script, ["solver"])), agent.default_role_specs(), lambda t, a: 1.0)
     with pytest.raises(MixedEpisodes, match="base_url passed to each call of the program, or set "
                                             "workflow.options.isolation: process"):
         runtime.run(agent, [(f"e{i}", TASKS[i]) for i in range(4)])
@@ -334,7 +335,7 @@ def test_a_hung_program_neither_holds_the_run_nor_starves_later_episodes():
 
     agent = build_workflow("openai_agent", entry=f"{TEAMS}:hangs_on_one", roles=["solver"], timeout_s=2.0,
                            max_workers=2)
-    runtime = Runtime(ScriptedPolicies(_script, ["solver"]), agent.default_role_specs(), lambda t, a: 1.0)
+    runtime = Runtime(BuiltinEngine(ScriptedPolicies(_script, ["solver"])), agent.default_role_specs(), lambda t, a: 1.0)
     hang = Task("hang", "What is 1 + 1?", ("2",), "math")
     start = time.monotonic()
     first = runtime.run(agent, [("h0", hang), ("h1", hang), ("e0", TASKS[0])])
@@ -352,7 +353,7 @@ def test_none_and_no_calls_are_counted():
 
     for program, counter in [("returns_none", "program_returned_none"), ("makes_no_call", "no_calls")]:
         agent = build_workflow("openai_agent", entry=f"{TEAMS}:{program}", roles=["solver"])
-        runtime = Runtime(ScriptedPolicies(_script, ["solver"]), agent.default_role_specs(), lambda t, a: 1.0)
+        runtime = Runtime(BuiltinEngine(ScriptedPolicies(_script, ["solver"])), agent.default_role_specs(), lambda t, a: 1.0)
         results = runtime.run(agent, [(f"e{i}", TASKS[i]) for i in range(2)])
         assert [r.info.get(counter) for r in results] == [1, 1]
 
@@ -363,7 +364,7 @@ def test_a_program_may_return_its_own_reward():
     from srpo.workflows.runtime import Runtime
 
     agent = build_workflow("openai_agent", entry=f"{TEAMS}:reward_of_length", roles=["solver"])
-    runtime = Runtime(ScriptedPolicies(_script, ["solver"]), agent.default_role_specs(), lambda t, a: 99.0)
+    runtime = Runtime(BuiltinEngine(ScriptedPolicies(_script, ["solver"])), agent.default_role_specs(), lambda t, a: 99.0)
     results = runtime.run(agent, [("e0", TASKS[0])])
     assert results[0].reward == pytest.approx(len(_script("solver", TASKS[0].question)) / 100)
 
@@ -395,7 +396,7 @@ def test_config_errors_name_the_option(tmp_path):
 # -- real clients, trained end to end -----------------------------------------------------------
 def _train(tmp_path, program, roles, steps=1):
     from srpo.build import config_from_dict
-    from srpo.metrics_log import read_metrics
+    from srpo.runs.metrics_log import read_metrics
     from srpo.train import Trainer
 
     cfg = config_from_dict({
@@ -455,7 +456,7 @@ def test_a_langgraph_team_gives_its_sets_and_trains_through_the_gateway(tmp_path
 def test_a_trained_team_is_served_and_evaluated(tmp_path):
     _train(tmp_path, "parallel_aggregate", ["worker_1", "worker_2", "worker_3", "aggregator"])
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "srpo.cli", "serve", "--model", str(run), "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "srpo.apps.cli", "serve", "--model", str(run), "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         line = ""
@@ -481,7 +482,7 @@ def test_a_trained_team_is_served_and_evaluated(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    out = subprocess.run([sys.executable, "-m", "srpo.cli", "eval", "--model", str(run), "--data",
+    out = subprocess.run([sys.executable, "-m", "srpo.apps.cli", "eval", "--model", str(run), "--data",
                           "synthetic_arithmetic:level=0:n=2:split=test", "-k", "1"], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -494,7 +495,7 @@ def test_srpo_serve_gives_max_tokens_past_the_training_budget_and_says_when_it_c
     from srpo.gateway.backends import ServeBackend
     from srpo.policies.sampling import SamplingParams
     from srpo.policies.scripted import ScriptedPolicies
-    from srpo.workflows.runtime import RoleSpec
+    from srpo.types import RoleSpec
 
     policies = ScriptedPolicies(lambda role, prompt: "x" * 100, ["solver"])
     specs = {"solver": RoleSpec("solver", sampling=SamplingParams(max_new_tokens=6))}  # the training budget

@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("starlette")
 
+from srpo.rollout.builtin import BuiltinEngine  # noqa: E402
 from srpo.tasks.base import Task  # noqa: E402
 
 TEAMS = Path(__file__).with_name("gateway_teams.py")
@@ -47,7 +48,7 @@ def _run(program, roles, script):
     from srpo.workflows.runtime import Runtime
 
     agent = build_workflow("openai_agent", entry=f"{TEAMS}:{program}", roles=roles, max_new_tokens=96)
-    runtime = Runtime(ScriptedPolicies(script, roles), agent.default_role_specs(), lambda t, a: 1.0)
+    runtime = Runtime(BuiltinEngine(ScriptedPolicies(script, roles)), agent.default_role_specs(), lambda t, a: 1.0)
     results = runtime.run(agent, [(f"e{i}", t) for i, t in enumerate(TASKS)])
     assert not runtime.failures, runtime.first_traceback
     return results
@@ -94,7 +95,7 @@ def test_each_framework_trains_two_steps_on_the_embedded_model(tmp_path, program
             pytest.skip("AutoGen's environment: make .venv-agents/.installed")
         options["python"] = str(AGENTS_PYTHON)
     from srpo.build import config_from_dict
-    from srpo.metrics_log import read_metrics
+    from srpo.runs.metrics_log import read_metrics
     from srpo.train import Trainer
 
     cfg = config_from_dict({
@@ -133,7 +134,7 @@ def test_autogen_in_its_own_environment():
     roles = ["solver", "critic"]
     agent = build_workflow("openai_agent", entry=f"{TEAMS}:autogen_team", roles=roles, max_new_tokens=96,
                            python=str(AGENTS_PYTHON))
-    runtime = Runtime(ScriptedPolicies(autogen_script, roles), agent.default_role_specs(), lambda t, a: 1.0)
+    runtime = Runtime(BuiltinEngine(ScriptedPolicies(autogen_script, roles)), agent.default_role_specs(), lambda t, a: 1.0)
     results = runtime.run(agent, [(f"e{i}", t) for i, t in enumerate(TASKS)])
     assert not runtime.failures, runtime.first_traceback
     for r in results:

@@ -32,7 +32,7 @@ def served():
     from srpo.policies.layouts import build_policies
     from srpo.policies.sampling import SamplingParams
     from srpo.rollout.builtin import BuiltinEngine
-    from srpo.workflows.runtime import RoleSpec
+    from srpo.types import RoleSpec
 
     policies = build_policies("shared", "tiny-llama", ["solver"], seed=0)
     specs = {"solver": RoleSpec("solver", sampling=SamplingParams(temperature=0.0, max_new_tokens=24))}

@@ -10,7 +10,7 @@ import torch
 
 from srpo.build import config_from_dict, load_config
 from srpo.config import ConfigError
-from srpo.metrics_log import read_metrics
+from srpo.runs.metrics_log import read_metrics
 from srpo.train import Trainer
 from overlap_worker import fit_until
 from test_reliability_runs import ENV, cli_train, steps_logged, tiny, varied_reward
@@ -112,7 +112,7 @@ def test_staleness_one_trains_under_ddp(tmp_path):
         pytest.skip("torchrun is not installed")
     run = tmp_path / "run"
     cmd = [str(torchrun if torchrun.exists() else "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
-           "-m", "srpo.cli", "train", "--config", str(ROOT / "configs/math/single/srpo.yaml"),
+           "-m", "srpo.apps.cli", "train", "--config", str(ROOT / "configs/math/single/srpo.yaml"),
            *[x for o in tiny(run, ["run.steps=3", "rollout.max_staleness=1"]) for x in ("--set", o)]]
     done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

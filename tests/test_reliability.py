@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from srpo import checkpoint as ckpt
+from srpo.runs import checkpoint as ckpt
 from srpo.build import load_config
 from srpo.policies.scripted import ScriptedPolicies
 from srpo.tasks import DatasetError
@@ -23,6 +23,7 @@ from srpo.tasks.rewards import task_reward
 from srpo.tasks.search import BM25Retriever, extract_tagged_answer, normalize_answer, synthetic_kb, token_f1
 from srpo.tasks.math import synthetic_arithmetic
 from srpo.train import Trainer, TrainingStopped
+from srpo.rollout.builtin import BuiltinEngine
 from srpo.workflows import Runtime, build_workflow
 from srpo.workflows.parsing import parse_decision, parse_router_choice, parse_search_step, search_call_context
 
@@ -110,7 +111,7 @@ def test_adversarial_outputs_never_crash_math_workflows(workflow, options):
         calls["n"] += 1
         return ADVERSARIAL[calls["n"] % len(ADVERSARIAL)]
 
-    rt = Runtime(ScriptedPolicies(script, wf.roles()), wf.default_role_specs(), task_reward)
+    rt = Runtime(BuiltinEngine(ScriptedPolicies(script, wf.roles())), wf.default_role_specs(), task_reward)
     tasks = synthetic_arithmetic(6, level=2, seed=3)
     res = rt.run(wf, [(f"e{i}", t) for i, t in enumerate(tasks)])
     assert all(r.reward in (0.0, 1.0) for r in res)
@@ -129,7 +130,7 @@ def test_adversarial_outputs_never_crash_search_workflows():
             calls["n"] += 1
             return ADVERSARIAL[calls["n"] % len(ADVERSARIAL)]
 
-        rt = Runtime(ScriptedPolicies(script, wf.roles()), wf.default_role_specs(), task_reward)
+        rt = Runtime(BuiltinEngine(ScriptedPolicies(script, wf.roles())), wf.default_role_specs(), task_reward)
         res = rt.run(wf, [(f"e{i}", t) for i, t in enumerate(tasks[:6])])
         assert all(r.reward in (0.0, 1.0) for r in res) and "workflow" not in rt.failures
 
@@ -143,7 +144,7 @@ def test_slow_tool_times_out_and_costs_only_that_call():
             return []
 
     wf = build_workflow("search", retriever=Slow(), max_turns=2)
-    rt = Runtime(ScriptedPolicies(lambda r, p: "<search>x</search>", wf.roles()), wf.default_role_specs(),
+    rt = Runtime(BuiltinEngine(ScriptedPolicies(lambda r, p: "<search>x</search>", wf.roles())), wf.default_role_specs(),
                  task_reward, tool_timeout_s=0.2)
     res = rt.run(wf, [("a", tasks[0])])
     assert res[0].info["tool_timeouts"] == 1 and rt.failures["tool"] == 1
@@ -270,7 +271,7 @@ def _final_weights(run_dir: Path):
 @pytest.mark.slow
 def test_sigkill_at_a_random_moment_then_resume_matches_uninterrupted(tmp_path):
     steps = 6
-    args = lambda d: [sys.executable, "-m", "srpo.cli", "train", "--config", str(ROOT / "configs/math/parallel_aggregate/srpo.yaml"),
+    args = lambda d: [sys.executable, "-m", "srpo.apps.cli", "train", "--config", str(ROOT / "configs/math/parallel_aggregate/srpo.yaml"),
                       *[x for o in tiny(d, [f"run.steps={steps}", "workflow.options={num_workers: 2}",
                                             "model.autocast_bf16=false"]) for x in ("--set", o)]]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -311,7 +312,7 @@ def test_a_non_finite_reward_is_a_failed_reward(value):
     """A reward of ±inf or NaN never reaches the advantages, the loss or the logs: the episode
     scores as failed (the failure reward), the failure is counted and its first traceback kept."""
     wf = build_workflow("single")
-    rt = Runtime(ScriptedPolicies(lambda role, prompt: "4", wf.roles()), wf.default_role_specs(),
+    rt = Runtime(BuiltinEngine(ScriptedPolicies(lambda role, prompt: "4", wf.roles())), wf.default_role_specs(),
                  lambda task, answer: value)
     res = rt.run(wf, [(f"e{i}", t) for i, t in enumerate(synthetic_arithmetic(3, level=0, seed=1))])
     assert [r.reward for r in res] == [0.0, 0.0, 0.0] and all(r.info.get("failed") for r in res)

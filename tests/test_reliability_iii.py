@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from srpo.run_dir import RunDirError
+from srpo.runs.run_dir import RunDirError
 from test_reliability_runs import steps_logged, tiny, trained  # noqa: F401  (shared helpers)
 from srpo.build import load_config
 from srpo.train import Trainer
@@ -73,7 +73,7 @@ def test_a_planted_link_refuses_the_run_and_its_target_is_untouched(tmp_path, na
 
 def test_sft_claims_its_output_folder_as_train_does(tmp_path):
     from srpo.build import config_from_dict
-    from srpo.sft import run_sft
+    from srpo.apps.sft import run_sft
 
     out = tmp_path / "sft"
     data = tmp_path / "t.jsonl"
@@ -102,7 +102,7 @@ def test_sft_claims_its_output_folder_as_train_does(tmp_path):
 
 def test_a_runaway_sft_turn_is_skipped_or_cut_and_counted_never_trained_whole(tmp_path):
     from srpo.build import config_from_dict
-    from srpo.sft import run_sft
+    from srpo.apps.sft import run_sft
 
     data = tmp_path / "t.jsonl"
     turns = [{"role": "solver", "input": "What is 1 + 1?", "output": "2"},
@@ -120,7 +120,7 @@ def test_a_runaway_sft_turn_is_skipped_or_cut_and_counted_never_trained_whole(tm
 
 def test_bad_prompt_ids_are_named_with_file_and_line(tmp_path):
     from srpo.build import config_from_dict
-    from srpo.sft import run_sft
+    from srpo.apps.sft import run_sft
     from srpo.tasks import DatasetError
 
     data = tmp_path / "t.jsonl"
@@ -234,7 +234,7 @@ def test_sigterm_past_the_grace_time_exits_at_once_keeping_the_previous_checkpoi
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143 and time.monotonic() - sent < 10, err[-2000:]
     assert "no safe point within" in err
-    from srpo.checkpoint import candidates
+    from srpo.runs.checkpoint import candidates
 
     assert candidates(run), "the previous checkpoint is there to resume from"
 
@@ -285,7 +285,7 @@ def test_a_frozen_torchrun_rank_is_named_and_the_run_ends(tmp_path):
     run = tmp_path / "run"
     overrides = [*tiny(run, ["run.steps=50", "run.collective_timeout_s=5", "checkpoint.every=0"])]
     cmd = [str(torchrun if torchrun.exists() else "torchrun"), "--nproc_per_node", "2", "--master_port",
-           str(free_port()), "-m", "srpo.cli", "train", "--config", str(ROOT / "configs/math/single/srpo.yaml"),
+           str(free_port()), "-m", "srpo.apps.cli", "train", "--config", str(ROOT / "configs/math/single/srpo.yaml"),
            *[x for o in overrides for x in ("--set", o)]]
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -325,7 +325,7 @@ def retrieval_server():
     import time
 
     pytest.importorskip("fastapi")
-    from srpo import serving
+    from srpo.runs import serving
     from srpo.tasks.retrieval_service import build_app
     from srpo.tasks.search import BM25Retriever, synthetic_kb
 
@@ -376,7 +376,7 @@ def test_a_port_in_use_is_one_error_line(retrieval_server, tmp_path):
 
     from test_reliability_runs import ENV
 
-    out = subprocess.run([sys.executable, "-m", "srpo.cli", "retriever", "serve", "--corpus", "synthetic_kb:n=10",
+    out = subprocess.run([sys.executable, "-m", "srpo.apps.cli", "retriever", "serve", "--corpus", "synthetic_kb:n=10",
                           "--port", str(retrieval_server[0])], env=ENV, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith("error: cannot listen on")
     assert "in use" in out.stderr
@@ -385,7 +385,7 @@ def test_a_port_in_use_is_one_error_line(retrieval_server, tmp_path):
 def test_a_study_folder_with_a_planted_link_is_refused_before_any_cell(tmp_path):
     import yaml
 
-    from srpo.study import run_study
+    from srpo.apps.study import run_study
 
     (tmp_path / "base.yaml").write_text(yaml.safe_dump({"model": {"name": "tiny-llama"}, "task": {"kind": "math",
                                         "train": {"source": "synthetic_arithmetic", "level": 0, "n": 4}}}))
@@ -408,7 +408,7 @@ def test_a_run_folder_from_before_ownership_records_is_adopted_only_where_srpo_w
     trained(run, ["run.steps=1"])
     (run / ".srpo-owned.json").unlink()  # as written by srpo before the records existed
     (run / "checkpoints" / "user-notes.txt").write_text("mine")  # a foreign file inside: not adopted
-    from srpo.run_dir import owned
+    from srpo.runs.run_dir import owned
 
     assert owned(run) >= {"metrics.jsonl", "samples.jsonl"} and "checkpoints" not in owned(run)
     (run / "checkpoints" / "user-notes.txt").unlink()
@@ -421,7 +421,7 @@ def test_a_run_folder_from_before_ownership_records_is_adopted_only_where_srpo_w
 
 def test_a_study_grid_that_makes_a_cell_twice_is_refused_before_any_cell_runs(tmp_path):
     from srpo.config import ConfigError
-    from srpo.study import load_study
+    from srpo.apps.study import load_study
 
     base = tmp_path / "base.yaml"
     base.write_text("run: {steps: 1}\nmodel: {name: tiny-llama}\n")
@@ -438,7 +438,7 @@ def test_a_study_grid_that_makes_a_cell_twice_is_refused_before_any_cell_runs(tm
 
 
 def test_metrics_saved_by_an_editor_with_a_bom_and_crlf_lose_no_row(tmp_path):
-    from srpo.metrics_log import read_metrics
+    from srpo.runs.metrics_log import read_metrics
 
     rows = [{"step": 1, "reward": 0.5}, {"step": 2, "reward": 0.25}]
     text = "\r\n".join(json.dumps(r) for r in rows) + "\r\n"
@@ -531,6 +531,7 @@ def test_rewards_run_concurrently_under_a_time_limit():
 
     from srpo.policies.scripted import ScriptedPolicies
     from srpo.tasks.math import synthetic_arithmetic
+    from srpo.rollout.builtin import BuiltinEngine
     from srpo.workflows import Runtime, build_workflow
 
     tasks = synthetic_arithmetic(4, level=0, seed=1)
@@ -541,12 +542,12 @@ def test_rewards_run_concurrently_under_a_time_limit():
         together.wait()
         return 1.0
 
-    rt = Runtime(ScriptedPolicies(lambda role, prompt: "4", wf.roles()), wf.default_role_specs(), meets_the_others)
+    rt = Runtime(BuiltinEngine(ScriptedPolicies(lambda role, prompt: "4", wf.roles())), wf.default_role_specs(), meets_the_others)
     results = rt.run(wf, [(f"e{i}", t) for i, t in enumerate(tasks)])
     assert [r.reward for r in results] == [1.0] * 4 and not rt.failures
 
     release = threading.Event()
-    hung = Runtime(ScriptedPolicies(lambda role, prompt: "4", wf.roles()), wf.default_role_specs(),
+    hung = Runtime(BuiltinEngine(ScriptedPolicies(lambda role, prompt: "4", wf.roles())), wf.default_role_specs(),
                    lambda task, answer: release.wait(60) and 1.0, reward_timeout_s=0.3)
     start = time.perf_counter()
     results = hung.run(wf, [(f"e{i}", t) for i, t in enumerate(tasks[:2])])
@@ -592,7 +593,7 @@ def test_a_failed_write_is_one_line_naming_the_file_and_leaves_no_temporary(tmp_
     import subprocess
     import sys
 
-    from srpo import fileio
+    from srpo.runs import fileio
 
     target = tmp_path / "results.md"
     target.write_text("old")
@@ -622,7 +623,7 @@ def test_a_failed_write_is_one_line_naming_the_file_and_leaves_no_temporary(tmp_
 def test_a_full_disk_in_the_command_line_is_exit_2_naming_the_file(tmp_path, capsys, monkeypatch):
     import errno
 
-    from srpo import cli
+    from srpo.apps import cli
 
     def fails(args):
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "metrics.jsonl"))

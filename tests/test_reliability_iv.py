@@ -39,6 +39,7 @@ def test_evaluation_keeps_no_episode_past_its_chunk_and_writes_every_one(tmp_pat
     from srpo.tasks.base import Task
     from srpo.workflows.builtins import build_workflow
     from srpo.workflows.runtime import Runtime
+    from srpo.rollout.builtin import BuiltinEngine
 
     workflow = build_workflow("single")
     policies = ScriptedPolicies(lambda role, prompt: "The answer is 2.", workflow.roles())
@@ -72,7 +73,8 @@ def test_evaluation_keeps_no_episode_past_its_chunk_and_writes_every_one(tmp_pat
 def test_a_checkpoint_pruned_while_it_loads_gives_way_to_the_newest(tmp_path, monkeypatch, capsys):
     import shutil
 
-    from srpo import build, cli
+    from srpo import build
+    from srpo.apps import cli
 
     run = tmp_path / "run"
     trained(run, ["run.steps=2"])
@@ -138,7 +140,7 @@ def _tool_run(delays, tool_timeout_s=10.0):
     from srpo.workflows.runtime import RoleSpec, Runtime
 
     policies = build_policies("shared", "tiny-llama", ["solver"], seed=0)
-    runtime = Runtime(policies, {"solver": RoleSpec("solver", sampling=SamplingParams(max_new_tokens=8))},
+    runtime = Runtime(BuiltinEngine(policies), {"solver": RoleSpec("solver", sampling=SamplingParams(max_new_tokens=8))},
                       lambda t, a: 0.0, generator=torch.Generator().manual_seed(0), tool_timeout_s=tool_timeout_s)
     tasks = [Task(f"t{i}", f"What is {i} + 1?", (str(i + 1),), "math") for i in range(4)]
     return runtime.run(_ToolThenAsk(delays), [(f"e{i}", t) for i, t in enumerate(tasks)])
@@ -160,7 +162,7 @@ def test_the_batch_and_its_samples_do_not_depend_on_which_tool_finished_first():
 
 
 def test_a_run_logs_its_peak_memory_and_states_it_against_the_floor(tmp_path):
-    from srpo.metrics_log import read_metrics
+    from srpo.runs.metrics_log import read_metrics
     from srpo.train import memory
 
     trainer = trained(tmp_path / "run", ["run.steps=2"])

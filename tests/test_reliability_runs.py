@@ -14,6 +14,7 @@ import pytest
 from srpo.policies.scripted import ScriptedPolicies
 from srpo.tasks.math import synthetic_arithmetic
 from srpo.tasks.rewards import task_reward
+from srpo.rollout.builtin import BuiltinEngine
 from srpo.workflows import Runtime
 from srpo.workflows.builtins import Workflow
 
@@ -41,7 +42,7 @@ class InterruptedEarly(Workflow):
 @pytest.mark.parametrize("episodes", [2, 3, 8])
 def test_ctrl_c_while_episodes_have_not_started_raises_instead_of_hanging(episodes):
     wf = InterruptedEarly()
-    rt = Runtime(ScriptedPolicies(lambda role, prompt: "\\boxed{1}", wf.roles()), wf.default_role_specs(), task_reward)
+    rt = Runtime(BuiltinEngine(ScriptedPolicies(lambda role, prompt: "\\boxed{1}", wf.roles())), wf.default_role_specs(), task_reward)
     tasks = synthetic_arithmetic(episodes, level=1, seed=0)
     outcome = {}
 
@@ -72,7 +73,7 @@ def test_ctrl_c_while_episodes_have_not_started_raises_instead_of_hanging(episod
     assert "hung" not in outcome, "the rollout hung after Ctrl-C"
     assert outcome["result"] == "KeyboardInterrupt"
     # The runtime is reusable after an interruption.
-    rt2 = Runtime(ScriptedPolicies(lambda role, prompt: "\\boxed{1}", wf.roles()), wf.default_role_specs(), task_reward)
+    rt2 = Runtime(BuiltinEngine(ScriptedPolicies(lambda role, prompt: "\\boxed{1}", wf.roles())), wf.default_role_specs(), task_reward)
     assert len(rt2.run(InterruptedLater(), [("x", tasks[0])])) == 1
 
 
@@ -85,12 +86,12 @@ class InterruptedLater(InterruptedEarly):
 
 import torch  # noqa: E402
 
-from srpo import checkpoint as ckpt  # noqa: E402
-from srpo.cli import main  # noqa: E402
+from srpo.runs import checkpoint as ckpt  # noqa: E402
+from srpo.apps.cli import main  # noqa: E402
 from srpo.build import load_config  # noqa: E402
 from srpo.config import ConfigError  # noqa: E402
-from srpo.metrics_log import read_metrics  # noqa: E402
-from srpo.run_dir import RunDirError, RunLock  # noqa: E402
+from srpo.runs.metrics_log import read_metrics  # noqa: E402
+from srpo.runs.run_dir import RunDirError, RunLock  # noqa: E402
 from srpo.train import Trainer, TrainingStopped  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "data"
@@ -108,7 +109,7 @@ def tiny(run_dir, extra=()):
 
 def cli_train(run_dir, extra=(), flags=()):
     """``srpo train`` as a user types it, in a process of its own."""
-    args = [sys.executable, "-m", "srpo.cli", "train", "--config", str(ROOT / "configs/math/single/srpo.yaml"),
+    args = [sys.executable, "-m", "srpo.apps.cli", "train", "--config", str(ROOT / "configs/math/single/srpo.yaml"),
             *[x for o in tiny(run_dir, extra) for x in ("--set", o)], *flags]
     return args
 
@@ -234,7 +235,7 @@ def test_a_cut_off_last_line_neither_blocks_resume_nor_report(tmp_path):
 
 
 def test_an_append_after_a_cut_off_line_starts_on_a_line_of_its_own(tmp_path):
-    from srpo.metrics_log import MetricsLogger
+    from srpo.runs.metrics_log import MetricsLogger
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "rew')
     MetricsLogger(tmp_path, backends=[]).log(3, {"reward": 1.0})
@@ -460,7 +461,7 @@ def test_an_unknown_model_name_fails_fast(monkeypatch, capsys):
 
 
 def test_an_unexpected_error_is_one_line_unless_verbose(monkeypatch, capsys):
-    import srpo.cli as cli
+    import srpo.apps.cli as cli
 
     def broken(args):
         raise ZeroDivisionError("division by zero")
@@ -474,7 +475,7 @@ def test_an_unexpected_error_is_one_line_unless_verbose(monkeypatch, capsys):
 
 
 def test_ctrl_c_in_a_command_exits_130_without_a_traceback(monkeypatch, capsys):
-    import srpo.cli as cli
+    import srpo.apps.cli as cli
 
     def interrupted(args):
         raise KeyboardInterrupt

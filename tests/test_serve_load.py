@@ -39,7 +39,7 @@ class SlowEngine:
 def served(request):
     from srpo.gateway.backends import ServeBackend
     from srpo.gateway.server import Gateway
-    from srpo.workflows.runtime import RoleSpec
+    from srpo.types import RoleSpec
 
     seconds, max_queue = request.param
     policies = ScriptedPolicies(lambda role, prompt: "ok", ["solver"])

@@ -22,7 +22,7 @@ def sft_overrides(tmp_path, *extra):
 
 
 def test_scripted_search_team_transcripts_train_and_warm_start_rl(tmp_path, monkeypatch):
-    from srpo.sft import run_sft
+    from srpo.apps.sft import run_sft
     from srpo.train import Trainer
 
     cfg = load_config(SEARCH_TEAM, sft_overrides(tmp_path, "sft.script=srpo.tasks.scripts:search_team",
@@ -52,7 +52,7 @@ def test_scripted_search_team_transcripts_train_and_warm_start_rl(tmp_path, monk
     rl.close()
     # srpo eval of the warm start (the output folder or its model/): the base model with these
     # weights, in the SFT run's layout and workflow (model/ is not one HF folder: shared/, adapters…).
-    from srpo.cli import _sft_output_for_eval, main
+    from srpo.apps.cli import _sft_output_for_eval, main
 
     assert _sft_output_for_eval(str(out)) == out and _sft_output_for_eval(str(model_dir)) == out
     assert _sft_output_for_eval(str(model_dir / "shared")) is None and _sft_output_for_eval(str(tmp_path)) is None
@@ -80,7 +80,7 @@ def test_the_builtin_scripts_find_answers_in_their_workflows(tmp_path, workflow,
     """Each shipped script plays its workflow as a competent team would: it searches first, then
     answers from the passages — most episodes earn reward 1 (the rest did not retrieve the answer)."""
     from srpo.policies.tiny import byte_tokenizer
-    from srpo.sft import scripted_transcripts
+    from srpo.apps.sft import scripted_transcripts
     from srpo.tasks import scripts
 
     cfg = load_config(ROOT / "configs" / "studies" / "search_base.yaml",
@@ -98,7 +98,7 @@ def test_sft_teaches_a_role_its_format(tmp_path):
     """A memorised format: after SFT the role's greedy answer is the transcript's output."""
     from srpo import build
     from srpo.policies.sampling import SamplingParams
-    from srpo.sft import examples_from, train_sft
+    from srpo.apps.sft import examples_from, train_sft
     from srpo.workflows.runtime import render_prompt_ids
 
     cfg = load_config(SEARCH_TEAM, sft_overrides(tmp_path, "sft.data=unused"))
@@ -108,7 +108,7 @@ def test_sft_teaches_a_role_its_format(tmp_path):
     examples = examples_from(episodes, team.role_specs, team.policies.tokenizer)
     assert examples[0].completion_ids[-1] == team.policies.tokenizer.eos_token_id  # it learns to stop too
     train_sft(cfg, examples, team.policies, epochs=40, lr=0.01, batch_size=4, progress=False)
-    from srpo.policies.layouts import GenerationRequest
+    from srpo.policies.sampling import GenerationRequest
 
     spec = team.role_specs["verifier"]
     ids = render_prompt_ids(team.policies.tokenizer, spec, "Question: q9\n\nInformation gathered:\n(none yet)")
@@ -119,7 +119,7 @@ def test_sft_teaches_a_role_its_format(tmp_path):
 
 def test_transcript_turns_by_input_or_by_prompt_give_the_runtime_s_prompts(tmp_path):
     from srpo import build
-    from srpo.sft import examples_from
+    from srpo.apps.sft import examples_from
     from srpo.workflows.runtime import render_prompt_ids
 
     cfg = load_config(SEARCH_TEAM, sft_overrides(tmp_path, "sft.data=unused"))
@@ -143,7 +143,7 @@ def test_transcript_turns_by_input_or_by_prompt_give_the_runtime_s_prompts(tmp_p
     ('{"turns": [{"role": "verifier", "output": "SEARCH"}]}', "a turn needs an 'input'"),
 ])
 def test_bad_transcripts_name_file_line_and_turn(tmp_path, line, message):
-    from srpo.sft import read_transcripts
+    from srpo.apps.sft import read_transcripts
 
     path = tmp_path / "t.jsonl"
     path.write_text(line + "\n")
@@ -152,7 +152,7 @@ def test_bad_transcripts_name_file_line_and_turn(tmp_path, line, message):
 
 
 def test_sft_config_errors_come_before_any_model_loads(tmp_path):
-    from srpo.cli import main
+    from srpo.apps.cli import main
 
     base = ["sft", "--config", str(SEARCH_TEAM), "--set", f"sft.output_dir={tmp_path}"]
     assert main(base) == 2  # neither data nor script

@@ -7,7 +7,7 @@ import torch
 import yaml
 
 from srpo.config import ConfigError
-from srpo.study import run_study
+from srpo.apps.study import run_study
 
 
 def test_study_runs_tabulates_and_resumes(tmp_path, monkeypatch):
@@ -71,7 +71,7 @@ def _record(label, seed, avg, method="srpo"):
 
 def test_paired_differences_against_the_baseline():
     from srpo.stats import t_interval
-    from srpo.study import paired_differences
+    from srpo.apps.study import paired_differences
 
     base = [0.50, 0.40, 0.60, 0.55, 0.45]
     gain = [0.10, 0.12, 0.08, 0.11, 0.09]   # a consistent gain: small SE once paired
@@ -95,7 +95,7 @@ def test_paired_differences_against_the_baseline():
 
 
 def test_paired_differences_per_dataset_see_what_the_macro_average_hides():
-    from srpo.study import paired_differences
+    from srpo.apps.study import paired_differences
 
     def record(label, seed, kb, hotpot):
         return {"label": label, "seed": seed, "eval": {"datasets": {"kb": {"avg@2": kb}, "hotpot": {"avg@2": hotpot}},
@@ -144,7 +144,7 @@ def test_references_are_evaluated_untrained_with_their_own_overrides(tmp_path):
 
 
 def test_mechanism_reads_by_k_metrics_per_seed(tmp_path):
-    from srpo.study import mechanism
+    from srpo.apps.study import mechanism
 
     for seed, clip in ((0, 0.1), (1, 0.3)):
         run = tmp_path / "dr_mas" / f"seed{seed}"
@@ -198,7 +198,7 @@ def test_seed_planning_script_runs_reduced_on_cpu(tmp_path):
 def test_a_torn_cell_record_is_named_set_aside_and_the_cell_run_again(tmp_path):
     """A cell.json cut off mid-write (written before records were atomic, or a full disk) used to
     stop the whole study with an unnamed JSONDecodeError; now it is named, moved aside, redone."""
-    from srpo.study import read_cell
+    from srpo.apps.study import read_cell
 
     cell = tmp_path / "srpo" / "seed0" / "cell.json"
     cell.parent.mkdir(parents=True)

@@ -90,7 +90,7 @@ def test_resume_reaches_the_same_parameters(layout, tmp_path, deterministic_thre
 
 
 def test_resume_refuses_an_incompatible_config(tmp_path):
-    from srpo.checkpoint import CheckpointError
+    from srpo.runs.checkpoint import CheckpointError
 
     Trainer(load_config(None, tiny_overrides(tmp_path)), progress=False, reward_fn=varied_reward).fit()
     other = Trainer(load_config(None, tiny_overrides(tmp_path, ["method.name=grpo"])), progress=False)

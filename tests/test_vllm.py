@@ -15,7 +15,8 @@ vllm = pytest.importorskip("vllm", reason="the vLLM engine tests run in .venv-vl
 
 from engine_logprobs import max_gap, trainer_logprobs  # noqa: E402  (tests/: on sys.path under pytest)
 from srpo.build import load_config  # noqa: E402
-from srpo.policies.layouts import GenerationRequest, build_policies  # noqa: E402
+from srpo.policies.layouts import build_policies
+from srpo.policies.sampling import GenerationRequest  # noqa: E402
 from srpo.policies.sampling import SamplingParams  # noqa: E402
 from srpo.rollout.vllm import EngineSettings, VLLMRollout  # noqa: E402
 from srpo.train import Trainer  # noqa: E402
@@ -186,7 +187,7 @@ def test_staleness_one_on_the_engine_trains_and_resumes_with_its_pending_batch(t
     holds — the episodes in flight at the stop are neither lost nor sampled twice."""
     import json
 
-    from srpo.checkpoint import STATE_JSON
+    from srpo.runs.checkpoint import STATE_JSON
 
     def config(steps):
         return load_config(os.path.join(os.path.dirname(__file__), "..", "configs/math/parallel_aggregate/srpo.yaml"), [

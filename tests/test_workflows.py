@@ -9,6 +9,7 @@ from srpo.policies.scripted import ScriptedPolicies
 from srpo.tasks.math import synthetic_arithmetic
 from srpo.tasks.rewards import task_reward
 from srpo.tasks.search import BM25Retriever, synthetic_kb
+from srpo.rollout.builtin import BuiltinEngine
 from srpo.workflows import Runtime, build_workflow
 
 
@@ -29,7 +30,7 @@ def math_script(role, prompt):
 
 def run(workflow, script, tasks, g=3, **runtime_kw):
     policies = ScriptedPolicies(script, workflow.roles())
-    rt = Runtime(policies, workflow.default_role_specs(), task_reward, **runtime_kw)
+    rt = Runtime(BuiltinEngine(policies), workflow.default_role_specs(), task_reward, **runtime_kw)
     jobs = [(f"{t.task_id}#{i}", t) for t in tasks for i in range(g)]
     return rt, rt.run(workflow, jobs)
 
@@ -167,7 +168,7 @@ def test_failing_reward_marks_the_episode():
         raise RuntimeError("grader crashed")
 
     wf = build_workflow("single")
-    rt = Runtime(ScriptedPolicies(math_script, wf.roles()), wf.default_role_specs(), bad_reward, failure_reward=-1.0)
+    rt = Runtime(BuiltinEngine(ScriptedPolicies(math_script, wf.roles())), wf.default_role_specs(), bad_reward, failure_reward=-1.0)
     res = rt.run(wf, [("a", TASKS[0]), ("b", TASKS[1])])
     assert [r.reward for r in res] == [-1.0, -1.0]
     assert all(r.info["failed"] for r in res) and rt.failures["reward"] == 2
@@ -176,7 +177,7 @@ def test_failing_reward_marks_the_episode():
 
 def test_too_long_prompt_leaves_the_event_incomplete():
     wf = build_workflow("parallel_aggregate", num_workers=2)
-    rt = Runtime(ScriptedPolicies(math_script, wf.roles()), wf.default_role_specs(), task_reward, max_prompt_tokens=120)
+    rt = Runtime(BuiltinEngine(ScriptedPolicies(math_script, wf.roles())), wf.default_role_specs(), task_reward, max_prompt_tokens=120)
     res = rt.run(wf, [("a", TASKS[0])])
     valid, dropped = validate_events(res[0].events)
     assert dropped >= 1 and res[0].info["prompt_too_long"] >= 1

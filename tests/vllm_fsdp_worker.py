@@ -20,7 +20,7 @@ import torch
 
 from engine_logprobs import max_gap, trainer_logprobs  # tests/: this script's folder
 from srpo.build import load_config
-from srpo.policies.layouts import GenerationRequest
+from srpo.policies.sampling import GenerationRequest
 from srpo.policies.sampling import SamplingParams
 from srpo.train import Trainer
 

@@ -32,9 +32,9 @@ from srpo.events import Member
 from srpo.gateway.dataflow import EpisodeRecorder
 from srpo.gateway import tools
 from srpo.gateway.protocol import FINISH_REASONS, Choice, CompletionRequest, ProtocolError
-from srpo.policies.layouts import GenerationRequest
+from srpo.policies.sampling import GenerationRequest
 from srpo.policies.sampling import Sample, SamplingParams
-from srpo.workflows.runtime import RoleSpec
+from srpo.types import RoleSpec
 
 log = logging.getLogger(__name__)
 

@@ -22,11 +22,11 @@ import time
 import traceback
 from typing import Any
 
-from srpo import serving
+from srpo.runs import serving
 from srpo.gateway import attribution, responses, streaming
 from srpo.gateway.protocol import ProtocolError, error_body, models_list, parse_request, response, stream_events
 from srpo.gateway.responses import parse_responses_request
-from srpo.serving import ServeError
+from srpo.runs.serving import ServeError
 
 log = logging.getLogger(__name__)
 

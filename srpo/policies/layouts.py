@@ -29,7 +29,7 @@ import torch
 
 from srpo.policies.logprobs import completion_logprobs
 from srpo.policies.models import load_model
-from srpo.policies.sampling import Sample, SamplingParams, sample
+from srpo.policies.sampling import GenerationRequest, Sample, SamplingParams, sample
 
 LAYOUTS = ("shared", "lora", "separate")
 
@@ -40,13 +40,6 @@ class LoraSettings:
     alpha: int = 32
     dropout: float = 0.0
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj", "gate_proj")
-
-
-@dataclass
-class GenerationRequest:
-    role: str
-    prompt_ids: list[int]
-    params: SamplingParams
 
 
 class PolicySet:

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from srpo.fileio import sha256_file
+from srpo.runs.fileio import sha256_file
 from srpo.policies.attention import use_cpu_float32_attention
 
 COMPLETE_MARKER = "srpo-conversion.json"

@@ -43,6 +43,15 @@ class SamplingParams:
 
 
 @dataclass
+class GenerationRequest:
+    """One completion to sample: the role asking, its prompt's token ids, how to sample."""
+
+    role: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
 class Sample:
     """One completion: token ids, decoded text, behaviour log-probs (one per token), and why it ended."""
 

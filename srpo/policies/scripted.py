@@ -11,7 +11,8 @@ from typing import Callable
 
 import torch
 
-from srpo.policies.layouts import GenerationRequest, PolicySet
+from srpo.policies.layouts import PolicySet
+from srpo.policies.sampling import GenerationRequest
 from srpo.policies.sampling import Sample
 from srpo.policies.tiny import byte_tokenizer
 

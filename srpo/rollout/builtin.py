@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from srpo.policies.layouts import GenerationRequest, PolicySet
+from srpo.policies.layouts import PolicySet
+from srpo.policies.sampling import GenerationRequest
 from srpo.policies.sampling import Sample
 
 

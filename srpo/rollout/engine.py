@@ -1,6 +1,6 @@
 """The rollout engine interface: what samples the team's generations.
 
-A rollout engine answers a batch of :class:`~srpo.policies.layouts.GenerationRequest` (every
+A rollout engine answers a batch of :class:`~srpo.policies.sampling.GenerationRequest` (every
 pending request of every live episode and role, as the workflow runtime batches them) with
 :class:`~srpo.policies.sampling.Sample` s that carry the sampled token ids and their behaviour
 log-probs; it takes the policies' new weights after an update; it is closed at the end of a run.
@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from srpo.policies.layouts import GenerationRequest
+from srpo.policies.sampling import GenerationRequest
 from srpo.policies.sampling import Sample
 
 

@@ -18,7 +18,7 @@ Limits (so that one client cannot take the server from the others): at most 20,0
 request (queries × topk; more is refused with 413 before any work), a response of at most 32 MiB
 (413), queries of at most 4,096 characters (422) and 4,096 queries (422); a connection that has
 not sent a complete request head within 10 s is closed, a body that stalls for 30 s ends the
-request, and at most 1,024 connections are served at once (503 beyond) — :mod:`srpo.serving`.
+request, and at most 1,024 connections are served at once (503 beyond) — :mod:`srpo.runs.serving`.
 """
 
 # No ``from __future__ import annotations`` here: FastAPI reads the request model's annotations
@@ -91,10 +91,10 @@ def build_app(retriever: BM25Retriever, default_topk: int = 3, *, max_results: i
 
 
 def serve(retriever: BM25Retriever, host: str = "127.0.0.1", port: int = 8000, default_topk: int = 3) -> None:
-    """Serve until interrupted: a port in use is a :class:`~srpo.serving.ServeError` (one ``error:``
+    """Serve until interrupted: a port in use is a :class:`~srpo.runs.serving.ServeError` (one ``error:``
     line); slow clients are cut off (header and body timeouts) and connections are capped
-    (:func:`srpo.serving.uvicorn_server`)."""
-    from srpo import serving
+    (:func:`srpo.runs.serving.uvicorn_server`)."""
+    from srpo.runs import serving
 
     sock = serving.bind(host, port)  # before the corpus is served: a port in use fails here, clearly
     serving.uvicorn_server(build_app(retriever, default_topk)).run(sockets=[sock])

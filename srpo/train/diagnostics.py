@@ -15,7 +15,7 @@ import torch
 
 from srpo.events import Event
 from srpo.objective.metrics import MetricAccumulator, Metrics
-from srpo.workflows.runtime import EpisodeResult
+from srpo.types import EpisodeResult
 
 
 def role_lengths(events: list[Event]) -> Metrics:

@@ -37,21 +37,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from srpo import build, preemption
-from srpo.checkpoint import BEST_FILE, remove_stale_temporaries
+from srpo import build
+from srpo.runs import preemption
+from srpo.runs.checkpoint import BEST_FILE, remove_stale_temporaries
 from srpo.config import Config
 from srpo.data import epoch_order
 from srpo.events import validate_events
-from srpo.fileio import write_text_atomic
+from srpo.runs.fileio import write_text_atomic
 from srpo.methods import assign_advantages
 from srpo.policies.layouts import PolicySet
 from srpo.rollout.engine import EngineOutOfSync
-from srpo.run_dir import RunDirError, RunLock
+from srpo.runs.run_dir import RunDirError, RunLock
 from srpo.train import memory, state
 from srpo.train.diagnostics import RolloutMismatch, episode_metrics, episode_record
 from srpo.train.state import TrainingStopped  # noqa: F401  (part of this module's API)
 from srpo.train.update import PolicyUpdate
-from srpo.workflows.runtime import EpisodeResult
+from srpo.types import EpisodeResult
 
 
 class Trainer:
@@ -112,7 +113,7 @@ class Trainer:
         # rollout.max_staleness: 1 — the next step's rollout runs on a copy while this step updates.
         self.overlap, self.pending_episodes = None, None
         if cfg.rollout.max_staleness:
-            from srpo.rollout.overlap import OverlappedRollout
+            from srpo.train.overlap import OverlappedRollout
 
             self.overlap = OverlappedRollout(self.policies, lambda policies, engine: build.runtime(
                 cfg, build.Team(self.workflow, self.role_specs, policies, self.retriever), engine,

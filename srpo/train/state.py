@@ -1,6 +1,6 @@
 """A run's state on disk: claiming a fresh folder, saving a checkpoint, resuming from one.
 
-What a checkpoint holds (written by :func:`srpo.checkpoint.save_checkpoint`, verified by its
+What a checkpoint holds (written by :func:`srpo.runs.checkpoint.save_checkpoint`, verified by its
 manifest): the weights in HF format, the optimizers (or, under a sharded backend, their shards in
 ``dcp/``), the schedulers, every RNG stream (Python, NumPy, torch, each rank's sampling
 generator), the data position and the loop's counters — everything a resumed run needs to
@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from srpo.checkpoint import (CheckpointError, CorruptCheckpoint, candidates, load_checkpoint, new_temporary, rng_state,
+from srpo.runs.checkpoint import (CheckpointError, CorruptCheckpoint, candidates, load_checkpoint, new_temporary, rng_state,
                              save_checkpoint, set_rng_state)
-from srpo import run_dir as run_folder
-from srpo.rollout.overlap import episodes_from_plain, episodes_to_plain
-from srpo.run_dir import RunDirError
+from srpo.runs import run_dir as run_folder
+from srpo.types import episodes_from_plain, episodes_to_plain
+from srpo.runs.run_dir import RunDirError
 
 log = logging.getLogger(__name__)
 

@@ -36,24 +36,12 @@ from typing import Any, Callable, Sequence
 import torch
 
 from srpo.events import Event, Member
-from srpo.policies.layouts import GenerationRequest, PolicySet
-from srpo.policies.sampling import Sample, SamplingParams
+from srpo.policies.layouts import PolicySet
+from srpo.policies.sampling import GenerationRequest, Sample, SamplingParams
 from srpo.tasks.base import Task
+from srpo.types import EpisodeResult, RoleSpec
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RoleSpec:
-    """How one role is prompted and sampled.
-
-    ``template`` formats the user message from the workflow's ``content`` (``{input}``).
-    """
-
-    name: str
-    system: str = ""
-    template: str = "{input}"
-    sampling: SamplingParams = SamplingParams()
 
 
 @dataclass
@@ -71,21 +59,6 @@ class ToolResult:
     ok: bool
     value: Any = None
     error: str = ""
-
-
-@dataclass
-class EpisodeResult:
-    episode_id: str
-    task: Task
-    answer: str
-    reward: float
-    events: list[Event]
-    info: dict[str, Any] = field(default_factory=dict)
-    transcript: list[str] = field(default_factory=list)
-
-    @property
-    def generated_tokens(self) -> int:
-        return sum(len(m.completion_ids) for e in self.events for m in e.members)
 
 
 class WorkflowError(RuntimeError):
@@ -217,12 +190,12 @@ def render_prompt_ids(tok, spec: RoleSpec, content: str, prefix: str = "") -> li
 
 
 class Runtime:
-    """Runs episodes of a workflow concurrently over a :class:`PolicySet`.
+    """Runs episodes of a workflow concurrently, sampling through a rollout engine.
 
     Args:
-        policies: the models behind the roles.
-        engine: what samples (a :class:`~srpo.rollout.engine.RolloutEngine`; default: srpo's own
-            sampler on ``policies``).
+        engine: what samples (a :class:`~srpo.rollout.engine.RolloutEngine`, e.g.
+            ``BuiltinEngine(policies)``, srpo's own sampler); the caller chooses it — the runtime
+            knows no engine by name.
         roles: prompt and sampling settings per role name.
         reward_fn: ``(task, final_answer) -> float``; an exception gives ``failure_reward``.
         generator: seeds sampling.
@@ -235,16 +208,16 @@ class Runtime:
         drop_failed_episodes: an episode whose workflow raised (a user program that crashed or
             timed out) keeps none of its events for the update (``episodes/dropped_members``);
             False trains its outputs at ``failure_reward``.
+        policies: the policies whose tokenizer renders prompts and whose versions members record
+            (default: the engine's; an overlapped rollout passes a view at the engine's versions).
     """
 
-    def __init__(self, policies: PolicySet, roles: dict[str, RoleSpec], reward_fn: RewardFn, *,
+    def __init__(self, engine, roles: dict[str, RoleSpec], reward_fn: RewardFn, *,
                  generator: torch.Generator | None = None, max_batch: int = 256, max_prompt_tokens: int = 4096,
-                 tool_timeout_s: float = 10.0, failure_reward: float = 0.0, engine=None,
+                 tool_timeout_s: float = 10.0, failure_reward: float = 0.0, policies: PolicySet | None = None,
                  reward_timeout_s: float = 60.0, drop_failed_episodes: bool = True):
-        from srpo.rollout.builtin import BuiltinEngine
-
-        self.policies = policies
-        self.engine = engine if engine is not None else BuiltinEngine(policies)
+        self.policies = policies if policies is not None else engine.policies
+        self.engine = engine
         self.roles = roles
         self.reward_fn = reward_fn
         self.generator = generator

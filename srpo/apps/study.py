@@ -52,9 +52,9 @@ from pydantic import Field
 from srpo.config import (ConfigError, DataSource, Float, Section, apply_overrides, parse_section, read_yaml,
                          resolve_program_path)
 from srpo import build, stats
-from srpo.fileio import remove_stale_temp_files, write_text_atomic
-from srpo.metrics_log import read_metrics
-from srpo.run_dir import owned, refuse_links
+from srpo.runs.fileio import remove_stale_temp_files, write_text_atomic
+from srpo.runs.metrics_log import read_metrics
+from srpo.runs.run_dir import owned, refuse_links
 from srpo.stats import mean_se
 from srpo.tasks.splits import MIN_HELDOUT_PROBLEMS, distinct_problems
 
@@ -363,7 +363,7 @@ def run_cell(spec: dict, cell: dict, root: Path, progress: bool = True, train: b
     if not spec.get("keep_checkpoints", True) and "checkpoints" in owned(run_dir) \
             and not (run_dir / "checkpoints").is_symlink():
         # Only after cell.json is written: an interrupted cell keeps its checkpoints to resume from.
-        # Only the checkpoints its training recorded writing (srpo.run_dir): never a folder it did not make.
+        # Only the checkpoints its training recorded writing (srpo.runs.run_dir): never a folder it did not make.
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     return record
 
@@ -493,7 +493,7 @@ def run_study(path: str | Path, progress: bool = True, only: int | None = None,
     for i, cell in enumerate(selected):
         if i % count != index - 1:
             continue
-        from srpo import preemption
+        from srpo.runs import preemption
 
         if preemption.check():  # between cells: everything finished so far is on disk
             raise preemption.Preempted(f"{preemption.requested()}: the study stopped before cell {i + 1}; "
@@ -728,7 +728,7 @@ def write_results(root: Path, records: list[dict], spec: dict) -> None:
     write_text_atomic(root / "results.md", f"# Study: {root.name}\n\n{spec.get('description', '')}\n\n{text}")
     results = _nan_to_none({"table": table, **extra, "cells": records})
     write_text_atomic(root / "results.json", json.dumps(results, indent=1, default=str, allow_nan=False))
-    from srpo.report import plot_mechanism, plot_study
+    from srpo.apps.report import plot_mechanism, plot_study
 
     plot_study(root, records, k)
     if any(extra["mechanism"].values()):
@@ -801,7 +801,7 @@ def _study(args) -> int:
     except ValueError:
         raise ConfigError(f"--shard {args.shard!r}: expected I/N with 1 <= I <= N, e.g. 1/2") from None
     if not args.summarize:
-        from srpo import preemption
+        from srpo.runs import preemption
         from srpo.config import RunConfig
 
         preemption.install(RunConfig().preempt_grace_s)  # a cell's training saves at its next step end

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from srpo.fileio import write_error, write_text_atomic
+from srpo.runs.fileio import write_error, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -23,9 +23,9 @@ LOG_FILES = ("metrics.jsonl", "samples.jsonl")
 
 
 class MetricsLogger:
-    """``metrics.jsonl`` plus the experiment trackers of ``backends`` (see :mod:`srpo.trackers`).
+    """``metrics.jsonl`` plus the experiment trackers of ``backends`` (see :mod:`srpo.runs.trackers`).
 
-    ``tracker_options`` are the remaining :class:`~srpo.trackers.TrackerSettings` fields (project,
+    ``tracker_options`` are the remaining :class:`~srpo.runs.trackers.TrackerSettings` fields (project,
     run_name, config, mlflow_tracking_uri, wandb_mode).
     """
 
@@ -42,7 +42,7 @@ class MetricsLogger:
     def _open_trackers(self) -> list:
         """Opened on the first row, after the run folder was claimed (or cleared)."""
         if self.trackers is None:
-            from srpo.trackers import TrackerSettings, open_trackers
+            from srpo.runs.trackers import TrackerSettings, open_trackers
 
             settings = TrackerSettings(self.run_dir, purge_step=self.purge_step, **self.tracker_options)
             self.trackers = open_trackers(self.backends, settings)
@@ -88,7 +88,7 @@ class MetricsLogger:
 def _append_line(path: Path, text: str) -> None:
     """Append ``text`` + newline in one write; if the file ends mid-line (a cut-off write), the
     broken tail is closed off first so that it cannot swallow this row.  A failed write (a full
-    disk) is a :class:`~srpo.fileio.WriteError` naming the file."""
+    disk) is a :class:`~srpo.runs.fileio.WriteError` naming the file."""
     try:
         with open(path, "a+b") as f:
             prefix = b""

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from srpo.fileio import sha256_file, write_text_atomic
+from srpo.runs.fileio import sha256_file, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -114,9 +114,9 @@ def remove_stale_temporaries(run_dir: Path) -> list[Path]:
     """Delete half-written checkpoint folders left by a killed writer; return what was removed.
 
     Only call it while holding the run lock: then no other process is writing one."""
-    from srpo.run_dir import owned
+    from srpo.runs.run_dir import owned
 
-    from srpo.fileio import remove_stale_temp_files
+    from srpo.runs.fileio import remove_stale_temp_files
 
     files = []
     if Path(run_dir).is_dir():  # the run's own logs and records, and the checkpoint pointers

@@ -28,7 +28,7 @@ WRITE_ERRNOS = {28, 27, 122, 30}  # ENOSPC, EFBIG, EDQUOT, EROFS
 
 
 def _train(args) -> int:
-    from srpo import preemption
+    from srpo.runs import preemption
     from srpo.build import load_config
     from srpo.train import Trainer, TrainingStopped
 
@@ -108,7 +108,7 @@ def _checkpoint_for_eval(model: str) -> Path | None:
     """The training checkpoint ``--model`` names — a checkpoint folder, a run's ``checkpoints``
     folder or a run folder (its newest complete checkpoint) — or None for a model name or a plain
     HF model folder (which has a config.json too, but no manifest or trainer state)."""
-    from srpo.checkpoint import CONFIG_FILE, MANIFEST, CheckpointError, candidates, is_checkpoint, verify
+    from srpo.runs.checkpoint import CONFIG_FILE, MANIFEST, CheckpointError, candidates, is_checkpoint, verify
 
     def usable(folder: Path) -> str | None:
         """What keeps ``folder``'s weights from being evaluated (None: fine).  A checkpoint of an
@@ -116,7 +116,7 @@ def _checkpoint_for_eval(model: str) -> Path | None:
         problem = verify(folder, digests=False)
         if problem and not (folder / MANIFEST).exists() and (folder / "model").is_dir() \
                 and (folder / CONFIG_FILE).is_file():
-            logging.getLogger("srpo.cli").warning("%s has no %s (written by an older srpo): its files "
+            logging.getLogger("srpo.apps.cli").warning("%s has no %s (written by an older srpo): its files "
                                                   "cannot be verified", folder, MANIFEST)
             return None
         return problem
@@ -157,7 +157,7 @@ def _load_checkpoint(team, checkpoint: Path, model: str, attempts: int = 5) -> P
     """Load a training checkpoint's weights into ``team``.  Evaluating a run that is still training:
     the run may prune this checkpoint while it loads — then the newest one is loaded instead, and
     that is said.  Returns the checkpoint loaded."""
-    from srpo.checkpoint import CheckpointError
+    from srpo.runs.checkpoint import CheckpointError
 
     for _ in range(attempts):
         try:
@@ -300,9 +300,9 @@ def _serve(args) -> int:
 
 
 def _sft(args) -> int:
-    from srpo import preemption
+    from srpo.runs import preemption
     from srpo.build import load_config
-    from srpo.sft import check_sft_config, run_sft
+    from srpo.apps.sft import check_sft_config, run_sft
 
     cfg = load_config(args.config, args.set)
     check_sft_config(cfg)  # before any model loads
@@ -314,15 +314,15 @@ def _sft(args) -> int:
 
 
 def _demo(args) -> int:
-    from srpo.demo import run_demo
+    from srpo.apps.demo import run_demo
 
     run_demo(args.output_dir, args.steps)
     return 0
 
 
 def _report(args) -> int:
-    from srpo.metrics_log import read_metrics
-    from srpo.report import write_summary
+    from srpo.runs.metrics_log import read_metrics
+    from srpo.apps.report import write_summary
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
@@ -418,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run_commands(sub)
     _add_tool_commands(sub)
-    from srpo.study import add_study_parser
+    from srpo.apps.study import add_study_parser
 
     add_study_parser(sub)
     return parser
@@ -532,15 +532,15 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("bm25s", "transformers", "peft"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
-    from srpo import preemption
-    from srpo.checkpoint import CheckpointError
-    from srpo.fileio import WriteError
+    from srpo.runs import preemption
+    from srpo.runs.checkpoint import CheckpointError
+    from srpo.runs.fileio import WriteError
     from srpo.config import ConfigError
     from srpo.parallel.base import CollectiveTimeout
-    from srpo.serving import ServeError
-    from srpo.preemption import Preempted
+    from srpo.runs.serving import ServeError
+    from srpo.runs.preemption import Preempted
     from srpo.policies import ModelLoadError
-    from srpo.run_dir import RunDirError
+    from srpo.runs.run_dir import RunDirError
     from srpo.tasks import DatasetError
 
     try:
@@ -557,14 +557,14 @@ def main(argv: list[str] | None = None) -> int:
     except CollectiveTimeout as err:  # a rank did not answer: named, never waited for
         print(f"error: {err}", file=sys.stderr)
         return 1
-    except Preempted as err:  # SIGTERM/SIGUSR1: saved at a safe point (srpo.preemption)
+    except Preempted as err:  # SIGTERM/SIGUSR1: saved at a safe point (srpo.runs.preemption)
         print(f"stopped: {err}", file=sys.stderr)
         return preemption.EXIT_CODE
     except Exception as err:  # noqa: BLE001 - the last line of defence: one message, not a traceback
         if args.verbose:
             traceback.print_exc()
         if isinstance(err, OSError) and err.errno in WRITE_ERRNOS:  # a write srpo did not wrap: still one line
-            from srpo.fileio import write_error
+            from srpo.runs.fileio import write_error
 
             print(f"error: {write_error(err, err.filename or 'a file')}", file=sys.stderr)
             return 2

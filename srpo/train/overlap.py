@@ -37,15 +37,11 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from dataclasses import asdict
 from typing import Any
 
 import torch
 
-from srpo.events import Event, Member
 from srpo.rollout.builtin import BuiltinEngine
-from srpo.tasks.base import Task
-from srpo.workflows.runtime import EpisodeResult
 
 
 class SamplerView:
@@ -139,31 +135,3 @@ class OverlappedRollout:
                 for src, dst in zip(policies.modules(), self.policies.modules()):
                     dst.load_state_dict(src.state_dict())  # copies in place: the copy stays frozen
         self.policies.versions = dict(policies.versions)
-
-
-# -- a batch in a checkpoint ------------------------------------------------------------------------
-def episodes_to_plain(episodes: list[EpisodeResult]) -> list[dict[str, Any]]:
-    """Episodes as JSON-able dicts (a checkpoint's pending batch)."""
-    out = []
-    for ep in episodes:
-        task = ep.task
-        out.append({"episode_id": ep.episode_id, "answer": ep.answer, "reward": ep.reward, "info": ep.info,
-                    "transcript": ep.transcript,
-                    "task": {"task_id": task.task_id, "question": task.question, "answers": list(task.answers),
-                             "kind": task.kind, "source": task.source, "meta": task.meta},
-                    "events": [asdict(e) for e in ep.events]})  # members included, as dicts
-    return out
-
-
-def episodes_from_plain(rows: list[dict[str, Any]]) -> list[EpisodeResult]:
-    out = []
-    for row in rows:
-        t = row["task"]
-        task = Task(t["task_id"], t["question"], tuple(t["answers"]), t["kind"], t.get("source", ""), t.get("meta", {}))
-        events = []
-        for e in row["events"]:
-            members = [Member(**m) for m in e["members"]]
-            events.append(Event(**{k: v for k, v in e.items() if k != "members"}, members=members))
-        out.append(EpisodeResult(row["episode_id"], task, row["answer"], row["reward"], events, row["info"],
-                                 row["transcript"]))
-    return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from srpo.metrics_log import read_metrics
+from srpo.runs.metrics_log import read_metrics
 
 
 def _series(rows, key):

@@ -42,7 +42,7 @@ def run_demo(output_dir: str | None = None, steps: int | None = None, overrides:
 
     from srpo import build
     from srpo.evaluation import evaluate, write_results
-    from srpo.report import write_summary
+    from srpo.apps.report import write_summary
     from srpo.train import Trainer
 
     data = copy.deepcopy(DEMO_CONFIG)

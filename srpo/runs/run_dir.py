@@ -166,7 +166,7 @@ def owned(folder: str | Path) -> set[str]:
 
 def record_owned(folder: str | Path, names) -> None:
     """Record that srpo creates ``names`` in ``folder`` (atomically; replaces the previous record)."""
-    from srpo.fileio import write_text_atomic
+    from srpo.runs.fileio import write_text_atomic
 
     refuse_links(folder, [OWNED_FILE])
     write_text_atomic(Path(folder) / OWNED_FILE, json.dumps({"created": sorted(set(names))}, indent=1))

@@ -43,9 +43,10 @@ from typing import Any, Callable
 
 import torch
 
-from srpo import build, preemption
+from srpo import build
+from srpo.runs import preemption
 from srpo.config import Config
-from srpo.fileio import write_text_atomic
+from srpo.runs.fileio import write_text_atomic
 from srpo.tasks.base import DatasetError, Task
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ def scripted_transcripts(cfg: Config, script: Callable[[str, str, Task], str], e
     output}]}`` — the prompt decoded from the exact ids the workflow built."""
     from srpo.policies.scripted import ScriptedPolicies
     from srpo.workflows.runtime import Runtime
+    from srpo.rollout.builtin import BuiltinEngine
 
     tasks = build.train_tasks(cfg)
     order = list(range(len(tasks)))
@@ -111,7 +113,7 @@ def scripted_transcripts(cfg: Config, script: Callable[[str, str, Task], str], e
         return script(role, prompt, current[0])
 
     policies = ScriptedPolicies(answer, team_workflow.roles(), tokenizer=tokenizer)
-    runtime = Runtime(policies, specs, reward)
+    runtime = Runtime(BuiltinEngine(policies), specs, reward)
     kept, rewards = [], []
     bar = None
     if progress:
@@ -302,10 +304,10 @@ def run_sft(cfg: Config, progress: bool = True, overwrite: bool = False) -> Path
     """The whole stage: transcripts (file or script) → examples → fine-tuned policies saved to
     ``<sft.output_dir>/model``.  Returns that folder.
 
-    The output folder is claimed as a training run's is (:mod:`srpo.run_dir`): locked while this
+    The output folder is claimed as a training run's is (:mod:`srpo.runs.run_dir`): locked while this
     runs, refused when it holds another fine-tuning's output unless ``overwrite`` (which deletes
     exactly what srpo sft wrote there), never written through a link srpo did not make."""
-    from srpo import run_dir as run_folder
+    from srpo.runs import run_dir as run_folder
 
     check_sft_config(cfg)
     out = Path(cfg.sft.output_dir)
