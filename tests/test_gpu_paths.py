@@ -251,13 +251,17 @@ def test_pure_bf16_full_fine_tuning_is_refused_and_lora_keeps_float32_adapters()
 def test_top_p_below_one_on_vllm_is_refused():
     """vLLM's processed log-probs include its top-p renormalisation, the trainer's do not: the
     mismatch and TIS would be biased."""
+    from srpo.build import config_from_dict
+
+    data = {"model": {"name": "tiny-llama"}, "task": {"kind": "math", "train": {"source": "synthetic_arithmetic"}},
+            "workflow": {"roles": {"solver": {"top_p": 0.9}}}}
     with pytest.raises(ConfigError, match="top-p renormalisation"):
-        parse_config({"rollout": {"engine": "vllm"}, "workflow": {"roles": {"solver": {"top_p": 0.9}}}})
-    parse_config({"rollout": {"engine": "hf"}, "workflow": {"roles": {"solver": {"top_p": 0.9}}}})
+        config_from_dict({**data, "rollout": {"engine": "vllm"}})
+    config_from_dict({**data, "rollout": {"engine": "hf"}})
 
 
 def test_engine_dtype_follows_the_trainers_compute():
-    from srpo.build import engine_dtype
+    from srpo.rollout.vllm import engine_dtype
 
     assert engine_dtype(parse_config({"run": {"device": "cuda"}, "model": {"autocast_bf16": True}})) == "bfloat16"
     assert engine_dtype(parse_config({"run": {"device": "cpu"}, "model": {"autocast_bf16": True}})) == "float32"
@@ -348,7 +352,8 @@ def test_sleep_mode_releases_the_engines_before_the_update_and_wakes_them_before
         rollout.update_weights()
         assert calls == [("sleep", level), "wake:weights", "sync", "wake:kv_cache", "check after a wake"]
         assert engine.asleep == 0
-    with pytest.raises(ConfigError, match="sleep mode needs rollout.engine: vllm on a CUDA"):
+    with pytest.raises(ConfigError, match="sleep_during_update: the hf engine releases its memory during updates on "
+                                          "no device"):
         config_from_dict({"model": {"name": "tiny-llama"}, "rollout": {"sleep_during_update": True},
                           "task": {"kind": "math", "train": {"source": "synthetic_arithmetic"}}})
 

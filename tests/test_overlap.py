@@ -85,7 +85,7 @@ def _samples(run):
 
 
 @pytest.mark.parametrize("extra, match", [
-    ({"train": {"parallel": "fsdp"}}, "max_staleness: 1 with train.parallel: fsdp needs rollout.engine: vllm"),
+    ({"train": {"parallel": "fsdp"}}, "max_staleness: 1 with train.parallel: fsdp needs an engine that holds its own copy"),
     ({"rollout": {"engine": "vllm", "max_staleness": 1, "sleep_during_update": True}, "run": {"device": "cuda"}},
      "sleep_during_update with rollout.max_staleness: 1"),
 ])

@@ -22,8 +22,10 @@ What a backend does for the training loop:
   ``full_state_dicts(policies)``: every policy's full weights on rank 0, for an HF-format save;
 - ``close()``: a clean teardown.
 
-Adding a backend (e.g. tensor parallel) means one new class here or in its own module, and one
-line in :func:`srpo.build.backend`; nothing in the loop changes.
+Backends are registered in :data:`BACKENDS` with their :class:`BackendCapabilities`
+(``train.parallel`` names one, or gives an import path); adding one (e.g. tensor parallel) means
+one class with ``from_config(cfg)``, registered with ``@register_backend`` in any package —
+nothing in the loop or the config checks changes.
 """
 
 from __future__ import annotations
@@ -31,12 +33,53 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from srpo.registry import Registry
+
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BackendCapabilities:
+    """What the config checks and the assembly may ask of a backend (instead of its name)."""
+
+    #: Parameters are sharded across ranks: models are built on the CPU (each unit's shard then
+    #: moves to the device), and a sampler on the trainer's weights would need a full copy per rank.
+    shards_parameters: bool = False
+
+
+def _adopt_backend(obj: Any) -> dict:
+    if not isinstance(obj, type) or not callable(getattr(obj, "from_config", None)):
+        raise TypeError("expected a parallel backend class with from_config(cfg) (a subclass of "
+                        "srpo.parallel.base.SingleProcess)")
+    caps = getattr(obj, "capabilities", BackendCapabilities())
+    if not isinstance(caps, BackendCapabilities):
+        raise TypeError("its capabilities attribute must be an srpo.parallel.base.BackendCapabilities")
+    return {"capabilities": caps}
+
+
+#: name → backend class (with ``from_config(cfg)``), each with its ``capabilities``.
+BACKENDS: Registry[type] = Registry("parallel backend", adopt=_adopt_backend)
+
+
+def register_backend(name: str, **capabilities: Any):
+    """Class decorator: register a backend under ``name`` with :class:`BackendCapabilities`."""
+    caps = BackendCapabilities(**capabilities)
+
+    def register(cls):
+        cls.capabilities = caps
+        BACKENDS.register(name, cls, capabilities=caps)
+        return cls
+    return register
+
+
+def backend_capabilities(name: str) -> BackendCapabilities:
+    return BACKENDS.meta(name)["capabilities"]
 
 
 def global_norm_value(norm: torch.Tensor) -> torch.Tensor:
@@ -57,6 +100,12 @@ class SingleProcess:
     world = 1
     needs_idle_pass = False
     sharded_optimizer_state = False
+    capabilities = BackendCapabilities()
+
+    @classmethod
+    def from_config(cls, cfg) -> "SingleProcess":
+        """The backend of a run's config (``train.parallel``, ``run.device``, ``model.*``)."""
+        return cls()
 
     # -- collectives ------------------------------------------------------------------------------
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -113,6 +162,7 @@ class SingleProcess:
         """Tear the backend down (wait for every rank first)."""
 
 
+@register_backend("ddp")
 class DataParallel(SingleProcess):
     """``torchrun`` ranks with full copies; gradients summed with ``all_reduce``."""
 
@@ -123,6 +173,12 @@ class DataParallel(SingleProcess):
     #: run.collective_timeout_s, at most 30 s) — before NCCL's watchdog, which aborts the process
     #: on a collective's timeout without running any Python, could swallow the name.
     silence_report_s = 30.0
+
+    @classmethod
+    def from_config(cls, cfg) -> SingleProcess:
+        """DDP ranks under torchrun, else one process."""
+        ddp = cls()
+        return ddp if ddp.enabled else SingleProcess()
 
     def __init__(self):
         self.enabled = torch.distributed.is_available() and torch.distributed.is_initialized()

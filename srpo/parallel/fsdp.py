@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from srpo.parallel.base import DataParallel
+from srpo.parallel.base import DataParallel, register_backend
 from srpo.parallel.devices import device_type, process_group_backend
 from srpo.policies.activation_checkpointing import decoder_layers
 from srpo.policies.logprobs import completion_logprobs
@@ -190,6 +190,7 @@ class AdaptersOffPass:
             self.policies.enable_adapter_grads()
 
 
+@register_backend("fsdp", shards_parameters=True)
 class FullyShardedDataParallel(DataParallel):
     """The FSDP2 backend (``train.parallel: fsdp``): every policy's model sharded across ranks."""
 
@@ -206,6 +207,10 @@ class FullyShardedDataParallel(DataParallel):
         self.reference_passes: dict = {}  # policy id → its KL reference's pass (method.kl_coef > 0)
         self.reference_roots: dict[str, LogProbModule] = {}
         self._gathered_depth = 0
+
+    @classmethod
+    def from_config(cls, cfg) -> "FullyShardedDataParallel":
+        return cls(cfg.run.device, bf16_compute=cfg.model.autocast_bf16)
 
     def wrap(self, policies) -> None:
         """Shard every policy's model — or, for ``lora``, the one PEFT model — and its KL reference

@@ -12,14 +12,20 @@ import torch
 from srpo.policies.layouts import PolicySet
 from srpo.policies.sampling import GenerationRequest
 from srpo.policies.sampling import Sample
+from srpo.rollout.engine import register_engine
 
 
+@register_engine("hf", "builtin")
 class BuiltinEngine:
     name = "builtin"
     reads_trainer_weights = True  # it samples from the policies' own (live) parameters
 
     def __init__(self, policies: PolicySet):
         self.policies = policies
+
+    @classmethod
+    def from_config(cls, cfg, policies: PolicySet) -> "BuiltinEngine":
+        return cls(policies)
 
     def generate(self, requests: list[GenerationRequest], generator: torch.Generator | None = None) -> list[Sample]:
         return self.policies.generate(requests, generator)

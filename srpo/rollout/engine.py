@@ -5,24 +5,28 @@ pending request of every live episode and role, as the workflow runtime batches 
 :class:`~srpo.policies.sampling.Sample` s that carry the sampled token ids and their behaviour
 log-probs; it takes the policies' new weights after an update; it is closed at the end of a run.
 
-Two implementations, selected by the assembly layer (:func:`srpo.build.engine`) from
-``rollout.engine``:
+Engines are registered in :data:`ENGINES` with their :class:`EngineCapabilities`;
+``rollout.engine`` names one (or gives an import path, ``mypkg.engines:Remote``), and the config
+checks ask the capabilities, never the name:
 
-``hf`` (:class:`srpo.rollout.builtin.BuiltinEngine`)  srpo's own sampler in the training
-    process, on the training weights themselves (nothing to sync).
+``hf`` / ``builtin`` (:class:`srpo.rollout.builtin.BuiltinEngine`)  srpo's own sampler in the
+    training process, on the training weights themselves (nothing to sync).
 ``vllm`` (:class:`srpo.rollout.vllm.VLLMRollout`)  colocated vLLM engine(s), weights pushed in
     after every update.
 
-A new engine (an SGLang server, a remote pool) implements these four methods (and says whether it
-reads the trainer's weights, ``reads_trainer_weights``) and gets one line in
-:func:`srpo.build.engine`.
+A new engine (an SGLang server, a remote pool) implements the four methods of
+:class:`RolloutEngine` and ``from_config(cfg, policies)``, and registers itself with
+``@register_engine(name, holds_own_weights=..., ...)`` in its own package.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
+
+from srpo.registry import Registry
 
 from srpo.policies.sampling import GenerationRequest
 from srpo.policies.sampling import Sample
@@ -56,3 +60,53 @@ class RolloutEngine(Protocol):
     def close(self) -> None:
         """Release what the engine holds (processes, memory)."""
         ...
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What the config checks may ask of an engine (instead of its name)."""
+
+    #: The engine samples from its own copy of the weights (pushed by ``update_weights``), not from
+    #: the trainer's parameters: an overlapped rollout needs no copy, a sharded backend no gather.
+    holds_own_weights: bool = False
+    #: Its behaviour log-probs include top-p renormalisation (the trainer's do not): a role
+    #: sampling with top_p < 1 would bias the logged mismatch and ``train.tis_cap``.
+    top_p_in_logprobs: bool = False
+    #: Devices (``cuda``, ``cpu``) where ``release()`` gives memory back (``rollout.sleep_during_update``).
+    sleeps_on: tuple[str, ...] = ()
+    #: ``(module, pip requirement)`` the engine needs installed, checked before any model loads.
+    requires: tuple[str, str] | None = None
+    #: Said after the pip command when ``requires`` is missing (e.g. where a CPU build comes from).
+    install_note: str = ""
+
+
+def _adopt_engine(obj: Any) -> dict:
+    """An engine class named by import path without ``@register_engine``: its class attribute
+    ``capabilities`` (default: an in-process sampler on the trainer's weights)."""
+    if not isinstance(obj, type) or not callable(getattr(obj, "from_config", None)):
+        raise TypeError("expected a rollout engine class with from_config(cfg, policies) "
+                        "(see srpo.rollout.engine.RolloutEngine)")
+    caps = getattr(obj, "capabilities", EngineCapabilities())
+    if not isinstance(caps, EngineCapabilities):
+        raise TypeError("its capabilities attribute must be an srpo.rollout.engine.EngineCapabilities")
+    return {"capabilities": caps}
+
+
+#: name → engine class (with ``from_config(cfg, policies)``), each with its ``capabilities``.
+ENGINES: Registry[type] = Registry("rollout engine", adopt=_adopt_engine)
+
+
+def register_engine(*names: str, **capabilities: Any):
+    """Class decorator: register an engine under ``names`` with :class:`EngineCapabilities`."""
+    caps = EngineCapabilities(**capabilities)
+
+    def register(cls):
+        cls.capabilities = caps
+        for name in names:
+            ENGINES.register(name, cls, capabilities=caps)
+        return cls
+    return register
+
+
+def engine_capabilities(name: str) -> EngineCapabilities:
+    return ENGINES.meta(name)["capabilities"]

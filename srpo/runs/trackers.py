@@ -33,17 +33,53 @@ import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+from srpo.registry import Registry
 
 IDS_FILE = "trackers.json"
 
 
 class Tracker(Protocol):
+    """Built from :class:`TrackerSettings`; ``artefacts(log_config)`` names what it writes in the
+    run folder (a fresh run refuses another run's, ``--overwrite`` deletes them)."""
+
     name: str
+
+    def __init__(self, settings: "TrackerSettings") -> None: ...
 
     def log(self, step: int, scalars: dict[str, float]) -> None: ...
 
     def close(self, status: str = "finished") -> None: ...
+
+
+def _adopt_tracker(obj: Any) -> dict:
+    if not isinstance(obj, type) or not all(callable(getattr(obj, m, None)) for m in ("log", "close")):
+        raise TypeError("expected a tracker class built from TrackerSettings, with log(step, scalars) and "
+                        "close(status) (see srpo.runs.trackers.Tracker)")
+    return {"requires": getattr(obj, "requires", None)}
+
+
+#: name → tracker class, each with ``requires``: ``(module, pip requirement)`` or None.
+TRACKERS: Registry[type] = Registry("tracker", adopt=_adopt_tracker)
+
+
+def register_tracker(name: str, requires: tuple[str, str] | None = None):
+    """Class decorator: register a tracker under ``name`` (``requires``: the module it imports
+    and the pip requirement that installs it, checked when the config is validated)."""
+    def register(cls):
+        cls.requires = requires
+        TRACKERS.register(name, cls, requires=requires)
+        return cls
+    return register
+
+
+def tracker_artefacts(names: list[str], log_config) -> list[str]:
+    """What the named trackers write in a run folder under ``log_config`` (a ``LogConfig``)."""
+    out = []
+    for name in names:
+        out += getattr(TRACKERS[name], "artefacts", lambda _cfg: [])(log_config)
+    return out
 
 
 @dataclass(frozen=True)
@@ -75,8 +111,13 @@ def _remember(run_dir: Path, backend: str, run_id: str) -> None:
     (run_dir / IDS_FILE).write_text(json.dumps(ids))
 
 
+@register_tracker("tensorboard", requires=("tensorboard", "tensorboard"))
 class TensorBoardTracker:
     name = "tensorboard"
+
+    @staticmethod
+    def artefacts(log_config) -> list[str]:
+        return ["tensorboard"]
 
     def __init__(self, s: TrackerSettings):
         from torch.utils.tensorboard import SummaryWriter
@@ -92,8 +133,13 @@ class TensorBoardTracker:
         self.writer.close()
 
 
+@register_tracker("wandb", requires=("wandb", "srpo[wandb]"))
 class WandbTracker:
     name = "wandb"
+
+    @staticmethod
+    def artefacts(log_config) -> list[str]:
+        return ["wandb"]
 
     def __init__(self, s: TrackerSettings):
         import wandb
@@ -115,8 +161,14 @@ class WandbTracker:
 _MLFLOW_BAD = re.compile(r"[^\w\-. :/]")
 
 
+@register_tracker("mlflow", requires=("mlflow", "srpo[mlflow]"))
 class MlflowTracker:
     name = "mlflow"
+
+    @staticmethod
+    def artefacts(log_config) -> list[str]:
+        """A file store in the run folder unless a tracking server is named."""
+        return [] if log_config.mlflow_tracking_uri else ["mlruns"]
 
     def __init__(self, s: TrackerSettings):
         from mlflow.tracking import MlflowClient
@@ -154,6 +206,7 @@ class MlflowTracker:
         self.client.set_terminated(self.run_id, status="FINISHED" if status == "finished" else "KILLED")
 
 
+@register_tracker("trackio", requires=("trackio", "srpo[trackio]"))
 class TrackioTracker:
     name = "trackio"
 
@@ -173,17 +226,15 @@ class TrackioTracker:
         self.trackio.finish()
 
 
-TRACKERS: dict[str, type] = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "mlflow": MlflowTracker,
-                             "trackio": TrackioTracker}
-# backend → (module that must import, pip extra)
-REQUIREMENTS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "srpo[wandb]"),
-                "mlflow": ("mlflow", "srpo[mlflow]"), "trackio": ("trackio", "srpo[trackio]")}
 WANDB_MODES = ("", "online", "offline", "disabled")
 
 
 def missing_package(backend: str) -> str | None:
     """The pip requirement to install for ``backend``, or None when it is importable."""
-    module, extra = REQUIREMENTS[backend]
+    requires = TRACKERS.meta(backend)["requires"]
+    if requires is None:
+        return None
+    module, extra = requires
     return None if importlib.util.find_spec(module) is not None else extra
 
 

@@ -48,12 +48,10 @@ def on_rank0_agreed(backend, action, failure: Exception):
 
 def run_artefacts(cfg) -> list[str]:
     """The names a training run writes in its folder: logs, checkpoints, its trackers' files."""
-    tracker_dirs = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlruns"}
-    names = ["metrics.jsonl", "samples.jsonl", "checkpoints", "trackers.json"]
-    for backend in cfg.log.active_backends():
-        if backend in tracker_dirs and not (backend == "mlflow" and cfg.log.mlflow_tracking_uri):
-            names.append(tracker_dirs[backend])
-    return names
+    from srpo.runs.trackers import tracker_artefacts
+
+    return ["metrics.jsonl", "samples.jsonl", "checkpoints", "trackers.json",
+            *tracker_artefacts(cfg.log.active_backends(), cfg.log)]
 
 
 def claim_fresh(trainer) -> None:
