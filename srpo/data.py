@@ -25,6 +25,41 @@ def epoch_order(num_tasks: int, seed: int, epoch: int) -> list[int]:
     return order
 
 
+class DataCursor:
+    """Where a training run is in its data: the epoch, the position in that epoch's seeded order.
+
+    Each step takes the global step's tasks (:meth:`take`) and deals them round-robin to ranks, so
+    every rank advances the same cursor and none looks at another's share."""
+
+    def __init__(self, tasks: list, seed: int):
+        self.tasks, self.seed = tasks, seed
+        self.epoch, self.pos = 0, 0
+        self.order = epoch_order(len(tasks), seed, 0)
+
+    def take(self, n: int, rank: int = 0, world: int = 1) -> list:
+        """This rank's share of the next ``n`` tasks (a new epoch, reshuffled, when one runs out)."""
+        picked = []
+        for _ in range(n):
+            if self.pos >= len(self.order):
+                self.epoch, self.pos = self.epoch + 1, 0
+                self.order = epoch_order(len(self.tasks), self.seed, self.epoch)
+            picked.append(self.tasks[self.order[self.pos]])
+            self.pos += 1
+        return picked[rank::world]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "pos": self.pos, "order": list(self.order)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at a recorded position; on data with another row count (a resume with
+        ``--allow-data-change``) a new epoch starts over the new rows (said once)."""
+        self.epoch, self.pos, self.order = state["epoch"], state["pos"], list(state["order"])
+        if len(self.order) != len(self.tasks):
+            self.epoch, self.pos = self.epoch + 1, 0
+            self.order = epoch_order(len(self.tasks), self.seed, self.epoch)
+            log.warning("the training data now has %d rows: a new epoch starts over them", len(self.tasks))
+
+
 def source_name(src: DataSource) -> str:
     if src.name:
         return src.name

@@ -39,7 +39,6 @@ def test_evaluation_keeps_no_episode_past_its_chunk_and_writes_every_one(tmp_pat
     from srpo.tasks.base import Task
     from srpo.workflows.builtins import build_workflow
     from srpo.workflows.runtime import Runtime
-    from srpo.rollout.builtin import BuiltinEngine
 
     workflow = build_workflow("single")
     policies = ScriptedPolicies(lambda role, prompt: "The answer is 2.", workflow.roles())
@@ -136,8 +135,10 @@ def _tool_run(delays, tool_timeout_s=10.0):
 
     from srpo.policies.layouts import build_policies
     from srpo.policies.sampling import SamplingParams
+    from srpo.rollout.builtin import BuiltinEngine
     from srpo.tasks.base import Task
-    from srpo.workflows.runtime import RoleSpec, Runtime
+    from srpo.types import RoleSpec
+    from srpo.workflows.runtime import Runtime
 
     policies = build_policies("shared", "tiny-llama", ["solver"], seed=0)
     runtime = Runtime(BuiltinEngine(policies), {"solver": RoleSpec("solver", sampling=SamplingParams(max_new_tokens=8))},

@@ -29,7 +29,7 @@ import torch
 
 from srpo.policies.logprobs import completion_logprobs
 from srpo.policies.models import load_model
-from srpo.policies.sampling import GenerationRequest, Sample, SamplingParams, sample
+from srpo.policies.sampling import GenerationRequest, Sample, sample
 
 LAYOUTS = ("shared", "lora", "separate")
 

@@ -28,9 +28,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import random
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +39,9 @@ import torch
 
 from srpo import build
 from srpo.runs import preemption
-from srpo.runs.checkpoint import BEST_FILE, remove_stale_temporaries
+from srpo.runs.checkpoint import BEST_FILE, remove_stale_temporaries, rng_state, set_rng_state
 from srpo.config import Config
-from srpo.data import epoch_order
+from srpo.data import DataCursor
 from srpo.events import validate_events
 from srpo.runs.fileio import write_text_atomic
 from srpo.methods import assign_advantages
@@ -50,9 +50,12 @@ from srpo.rollout.engine import EngineOutOfSync
 from srpo.runs.run_dir import RunDirError, RunLock
 from srpo.train import memory, state
 from srpo.train.diagnostics import RolloutMismatch, episode_metrics, episode_record
+from srpo.train.overlap import pending_batch
 from srpo.train.state import TrainingStopped  # noqa: F401  (part of this module's API)
 from srpo.train.update import PolicyUpdate
 from srpo.types import EpisodeResult
+
+log = logging.getLogger(__name__)
 
 
 class Trainer:
@@ -105,13 +108,13 @@ class Trainer:
         self.totals = state.make_totals()  # running counters (tokens, correct, skipped steps ...)
         # (A factory, not the bound method: a reference back to the trainer would keep a dropped
         # trainer — and its run-folder lock — alive until the cycle collector runs.)
-        self.updater = PolicyUpdate(cfg, self.method, self.policies, self.backend, self.optimizers,
+        self.updater = PolicyUpdate(cfg, self.method, self.policies, self.backend, self.optimizers, self.schedulers,
                                     functools.partial(build.autocast, cfg), self.totals, build.device(cfg))
         # Each rank samples differently; the seed offset keeps ranks' rollouts independent.
         self.rollout_generator = torch.Generator().manual_seed(cfg.run.seed * 1000 + self.backend.rank)
         self.runtime = build.runtime(cfg, team, self.engine, self.rollout_generator, reward_fn)
         # rollout.max_staleness: 1 — the next step's rollout runs on a copy while this step updates.
-        self.overlap, self.pending_episodes = None, None
+        self.overlap = None
         if cfg.rollout.max_staleness:
             from srpo.train.overlap import OverlappedRollout
 
@@ -119,8 +122,8 @@ class Trainer:
                 cfg, build.Team(self.workflow, self.role_specs, policies, self.retriever), engine,
                 self.rollout_generator, reward_fn), self.engine)
         self.target_steps = cfg.run.steps
-        self.step, self.data_epoch, self.data_pos = 0, 0, 0
-        self.data_order = epoch_order(len(self.train_tasks), cfg.run.seed, 0)
+        self.step = 0
+        self.data = DataCursor(self.train_tasks, cfg.run.seed)
         self.best: dict[str, Any] | None = None  # the best held-out evaluation so far (eval.every)
         self.mismatch = RolloutMismatch()
         self.logger = build.metrics_logger(cfg, self.backend.rank)
@@ -139,25 +142,78 @@ class Trainer:
         np.random.seed(seed)
         torch.manual_seed(seed)
 
-    # -- checkpoints (srpo.train.state) -------------------------------------------------------------
+    # -- checkpoints: the parts' state composed here, written and read by srpo.train.state ------------
     def save(self) -> Path | None:
         return state.save(self)
 
     def resume(self, path: Path | None = None) -> bool:
         return state.resume(self, path)
 
+    @property
+    def pending_episodes(self) -> list[EpisodeResult] | None:
+        """The next step's batch, sampled during this step's update (``rollout.max_staleness``)."""
+        return self.overlap.pending if self.overlap is not None else None
+
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        """Everything a resumed run needs, from each part's own ``state_dict()``: ``{"tensors": ...,
+        "plain": ...}`` (the checkpoint writes the first with ``torch.save`` and reads it with
+        ``weights_only=True``, the second as JSON).  A collective under data parallelism: each
+        rank's sampling generator, GPU stream and pending batch are gathered."""
+        rng_plain, rng_tensors = rng_state()  # Python, NumPy, torch; the sampling generator per rank below
+        rng_plain["rollout_by_rank"] = self.backend.all_gather_object(self.rollout_generator.get_state().tolist())
+        # Each rank's own GPU stream (rng_state() holds this process's view of every device, which
+        # under torchrun is rank 0's when rank 0 writes).
+        rng_plain["cuda_by_rank"] = self.backend.all_gather_object(_cuda_rng_of_this_rank())
+        update = self.updater.state_dict()
+        pending = self.overlap.state_dict()["pending"] if self.overlap is not None else None
+        return {
+            "tensors": {"optimizers": update["optimizers"], "schedulers": update["schedulers"], "rng": rng_tensors},
+            "plain": {
+                "step": self.step,
+                "data": self.data.state_dict(),
+                "versions": dict(self.policies.versions),
+                "data_fingerprint": self.data_fingerprint,
+                # rollout.max_staleness: each rank's next batch, sampled before this checkpoint (None
+                # where there is none) — every rank's own, since ranks sample different tasks.
+                "pending_episodes_by_rank": self.backend.all_gather_object(pending),
+                "rng": rng_plain,
+                "totals": dict(self.totals),
+                "nonfinite_in_a_row": update["nonfinite_in_a_row"],
+                "best": self.best,
+            },
+        }
+
+    def load_state_dict(self, checkpoint: dict[str, dict[str, Any]]) -> None:
+        """Put :meth:`state_dict`'s output back, part by part (the weights are loaded with the files)."""
+        tensors, plain = checkpoint["tensors"], checkpoint["plain"]
+        rank, world = self.backend.rank, self.backend.world
+        if self.overlap is not None:
+            self.overlap.load_state_dict({"pending": pending_batch(plain, rank, world)})
+        self.step = plain["step"]
+        self.data.load_state_dict(plain["data"])
+        self.updater.load_state_dict({"optimizers": tensors["optimizers"], "schedulers": tensors["schedulers"],
+                                      "nonfinite_in_a_row": plain["nonfinite_in_a_row"]})
+        self.policies.versions.update(plain["versions"])
+        set_rng_state(plain["rng"], tensors["rng"])
+        by_rank = plain["rng"]["rollout_by_rank"]
+        if len(by_rank) == world:
+            self.rollout_generator.set_state(torch.tensor(by_rank[rank], dtype=torch.uint8))
+        else:  # another number of processes: each rank's sampling cannot continue its old stream
+            self.rollout_generator.manual_seed(self.cfg.run.seed * 1000 + rank + 7919 * self.step)
+            if rank == 0:
+                log.warning("resumed on %d process(es) from a checkpoint of %d: sampling continues from new "
+                            "per-rank seeds (the run is not bit-identical to an uninterrupted one)", world, len(by_rank))
+        cuda_by_rank = plain["rng"].get("cuda_by_rank")
+        if cuda_by_rank and len(cuda_by_rank) == world and cuda_by_rank[rank] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(torch.tensor(cuda_by_rank[rank], dtype=torch.uint8), torch.cuda.current_device())
+        self.totals.clear()
+        self.totals.update(plain["totals"])
+        self.best = plain.get("best")
+
     # -- 1. tasks ------------------------------------------------------------------------------------
     def next_tasks(self):
         """This rank's tasks for the step: the global step's tasks, dealt round-robin to ranks."""
-        picked = []
-        for _ in range(self.cfg.train.tasks_per_step):
-            if self.data_pos >= len(self.data_order):
-                self.data_epoch += 1
-                self.data_pos = 0
-                self.data_order = epoch_order(len(self.train_tasks), self.cfg.run.seed, self.data_epoch)
-            picked.append(self.train_tasks[self.data_order[self.data_pos]])
-            self.data_pos += 1
-        return picked[self.backend.rank::self.backend.world]
+        return self.data.take(self.cfg.train.tasks_per_step, self.backend.rank, self.backend.world)
 
     # -- 2. rollout ----------------------------------------------------------------------------------
     def jobs(self, tasks, step: int) -> list[tuple[str, Any]]:
@@ -183,7 +239,7 @@ class Trainer:
     def overlapped_rollout(self) -> list[EpisodeResult]:
         """This step's batch (sampled during the previous step's update, or now on the first step),
         and the next step's rollout started on the rollout copy."""
-        episodes, self.pending_episodes = self.pending_episodes, None
+        episodes = self.overlap.take_pending()
         if episodes is None:  # the first step: nothing to overlap with
             episodes = self.overlap.run(self.workflow, self.jobs(self.next_tasks(), self.step), self.autocast())
         if self.step + 1 < self.target_steps:
@@ -196,7 +252,7 @@ class Trainer:
         t = time.perf_counter()
         ran = self.overlap.in_flight
         if ran:
-            self.pending_episodes = self.overlap.wait()
+            self.overlap.wait_pending()
         waited = time.perf_counter() - t
         self.overlap.sync(self.policies)
         start, end = self.overlap.busy if ran else (0.0, 0.0)
@@ -245,13 +301,10 @@ class Trainer:
             metrics[f"retriever/{key}"] = count  # since the run (this process) started
         metrics.update({"time/rollout_s": t_rollout, "time/update_s": t_update,
                         "time/step_s": time.perf_counter() - t0,
-                        "lr": self.schedulers[self.policies.policy_ids[0]].get_last_lr()[0]})
+                        "lr": self.updater.lr})
         out_of_sync = self.sync_engine()  # the next rollout samples from the updated weights
         metrics.update(getattr(self.engine, "sync_metrics", {}))
-        with warnings.catch_warnings():  # a skipped (NaN) step still advances the schedule, on purpose
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
-            for sched in self.schedulers.values():
-                sched.step()
+        self.updater.end_step()
         self.step += 1
         if self.eval_due() and out_of_sync is None:
             metrics.update(self.evaluate_heldout())
@@ -420,3 +473,9 @@ class Trainer:
                 bar.close()
             self.logger.close()
         return history
+
+
+def _cuda_rng_of_this_rank() -> list[int] | None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.get_rng_state(torch.cuda.current_device()).tolist()
+    return None

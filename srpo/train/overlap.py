@@ -35,6 +35,7 @@ copy doubles the model's weights (not its optimizer state); with vLLM there is n
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 import time
 from typing import Any
@@ -42,6 +43,9 @@ from typing import Any
 import torch
 
 from srpo.rollout.builtin import BuiltinEngine
+from srpo.types import EpisodeResult, episodes_from_plain, episodes_to_plain
+
+log = logging.getLogger(__name__)
 
 
 class SamplerView:
@@ -85,6 +89,22 @@ class OverlappedRollout:
         self._result: list[EpisodeResult] | None = None
         self._error: BaseException | None = None
         self.busy: tuple[float, float] = (0.0, 0.0)  # perf_counter start and end of the last rollout
+        #: The next step's batch once :meth:`wait` took it (a checkpoint holds it: :meth:`state_dict`).
+        self.pending: list[EpisodeResult] | None = None
+
+    # -- its state in a checkpoint -------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The next step's batch, sampled before the checkpoint (None where there is none)."""
+        return {"pending": episodes_to_plain(self.pending) if self.pending is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pending = state.get("pending")
+        self.pending = episodes_from_plain(pending) if pending is not None else None
+
+    def take_pending(self) -> list[EpisodeResult] | None:
+        """The batch sampled during the last update (None on the first step), handed over once."""
+        episodes, self.pending = self.pending, None
+        return episodes
 
     def run(self, workflow, jobs, autocast) -> list[EpisodeResult]:
         """A rollout in this thread (the first step's, which has nothing to overlap with)."""
@@ -124,6 +144,10 @@ class OverlappedRollout:
             raise self._error
         return self._result or []
 
+    def wait_pending(self) -> None:
+        """Wait for the rollout in flight and keep its batch as the next step's (:attr:`pending`)."""
+        self.pending = self.wait()
+
     def sync(self, policies) -> None:
         """The rollout copy takes ``policies``' weights and versions (no rollout may be in flight).
         With an engine of its own, only the versions: the trainer pushes the weights (the engine's
@@ -135,3 +159,26 @@ class OverlappedRollout:
                 for src, dst in zip(policies.modules(), self.policies.modules()):
                     dst.load_state_dict(src.state_dict())  # copies in place: the copy stays frozen
         self.policies.versions = dict(policies.versions)
+
+
+def pending_batch(plain: dict[str, Any], rank: int, world: int) -> list | None:
+    """This rank's pending batch (``rollout.max_staleness``) from a checkpoint's plain state.
+
+    Same number of ranks: each rank continues with its own batch.  Another number: the batches
+    were sampled for another deal of tasks to ranks and cannot be split fairly, so they are dropped
+    and the step samples anew (said once, on rank 0).  A checkpoint from before per-rank batches
+    holds rank 0's only: usable by a one-process run alone.
+    """
+    by_rank = plain.get("pending_episodes_by_rank")
+    if by_rank is None:
+        legacy = plain.get("pending_episodes")
+        by_rank = [legacy] if legacy is not None else None
+    if not by_rank or all(b is None for b in by_rank):
+        return None
+    if len(by_rank) == world:
+        return by_rank[rank]
+    if rank == 0:
+        log.warning("the checkpoint holds the next step's batches of %d rank(s) and this run has %d: they are "
+                    "dropped and the next step samples anew from the data (the run is not bit-identical to an "
+                    "uninterrupted one)", len(by_rank), world)
+    return None

@@ -6,8 +6,11 @@ manifest): the weights in HF format, the optimizers (or, under a sharded backend
 generator), the data position and the loop's counters — everything a resumed run needs to
 continue bit-identically (one intra-op thread).
 
-The functions take the :class:`~srpo.train.loop.Trainer` whose state they save or restore; they
-are collectives under data parallelism (every rank calls them together).
+Each part owns its state (``state_dict()`` / ``load_state_dict()`` on the data cursor, the policy
+update, the overlapped rollout) and the :class:`~srpo.train.loop.Trainer` composes them
+(:meth:`~srpo.train.loop.Trainer.state_dict`); this module only claims the folder, verifies and
+reads checkpoints, and writes them.  Its functions are collectives under data parallelism (every
+rank calls them together).
 """
 
 from __future__ import annotations
@@ -19,10 +22,9 @@ from typing import Any
 
 import torch
 
-from srpo.runs.checkpoint import (CheckpointError, CorruptCheckpoint, candidates, load_checkpoint, new_temporary, rng_state,
-                             save_checkpoint, set_rng_state)
+from srpo.runs.checkpoint import (CheckpointError, CorruptCheckpoint, candidates, load_checkpoint, new_temporary,
+                                  save_checkpoint)
 from srpo.runs import run_dir as run_folder
-from srpo.types import episodes_from_plain, episodes_to_plain
 from srpo.runs.run_dir import RunDirError
 
 log = logging.getLogger(__name__)
@@ -74,40 +76,6 @@ def _adopt(trainer) -> None:
     on_rank0_agreed(trainer.backend, adopt, RunDirError(f"rank 0 refused the run folder {trainer.run_dir}"))
 
 
-def trainer_state(trainer) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(tensors, plain)``: tensors for ``torch.load(weights_only=True)``, the rest as JSON.
-
-    A collective under data parallelism (each rank's sampling generator is gathered); the
-    optimizer state is left out under a sharded backend, which saves it itself."""
-    rng_plain, rng_tensors = rng_state()  # Python, NumPy, torch; the sampling generator per rank below
-    rng_plain["rollout_by_rank"] = trainer.backend.all_gather_object(trainer.rollout_generator.get_state().tolist())
-    # Each rank's own GPU stream (rng_state() holds this process's view of every device, which
-    # under torchrun is rank 0's when rank 0 writes).
-    rng_plain["cuda_by_rank"] = trainer.backend.all_gather_object(_cuda_rng_of_this_rank())
-    sharded = trainer.backend.sharded_optimizer_state
-    tensors = {
-        "optimizers": {} if sharded else {pid: o.state_dict() for pid, o in trainer.optimizers.items()},
-        "schedulers": {pid: s.state_dict() for pid, s in trainer.schedulers.items()},
-        "rng": rng_tensors,
-    }
-    plain = {
-        "step": trainer.step,
-        "data": {"epoch": trainer.data_epoch, "pos": trainer.data_pos, "order": trainer.data_order},
-        "versions": dict(trainer.policies.versions),
-        "data_fingerprint": trainer.data_fingerprint,
-        # rollout.max_staleness: each rank's next batch, sampled before this checkpoint (None where
-        # there is none) — every rank's own, since ranks sample different tasks.
-        "pending_episodes_by_rank": trainer.backend.all_gather_object(
-            episodes_to_plain(trainer.pending_episodes) if getattr(trainer, "pending_episodes", None) is not None
-            else None),
-        "rng": rng_plain,
-        "totals": dict(trainer.totals),
-        "nonfinite_in_a_row": trainer.updater.nonfinite_in_a_row,
-        "best": trainer.best,
-    }
-    return tensors, plain
-
-
 def weights_are_finite(trainer) -> bool:
     """All ranks agree (under a sharded backend each checks its own shards)."""
     local = all(bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())
@@ -122,7 +90,8 @@ def save(trainer) -> Path | None:
         raise TrainingStopped(
             f"the weights hold NaN/Inf after step {trainer.step}; no checkpoint was written (the last one "
             f"written is still in {trainer.run_dir / 'checkpoints'}). Lower train.lr or check the reward and inputs.")
-    tensors, plain = trainer_state(trainer)
+    checkpoint = trainer.state_dict()
+    tensors, plain = checkpoint["tensors"], checkpoint["plain"]
     backend, cfg = trainer.backend, trainer.cfg
 
     def write(tmp=None, state_dicts=None):
@@ -162,7 +131,7 @@ def resume(trainer, path: Path | None = None) -> bool:
             log.warning("skipping checkpoint %s: %s", candidate.name, err)
             continue
         check_same_data(trainer, plain, candidate)
-        restore(trainer, tensors, plain)
+        trainer.load_state_dict({"tensors": tensors, "plain": plain})
         trainer.engine.update_weights()  # a rollout engine samples from the resumed weights
         if trainer.overlap is not None:  # ... and so does the rollout copy (or: its recorded version)
             trainer.overlap.sync(trainer.policies)
@@ -199,75 +168,6 @@ def check_same_data(trainer, plain: dict[str, Any], checkpoint: Path) -> None:
     raise DatasetError(f"the data changed since {checkpoint}: " + "; ".join(changes)
                        + ". Resuming would train on other rows from the recorded position; restore the data, start a "
                          "new run, or pass --allow-data-change to continue on the new data knowingly")
-
-
-def restore(trainer, tensors: dict[str, Any], plain: dict[str, Any]) -> None:
-    """Put a checkpoint's state back into ``trainer`` (weights are loaded by the caller)."""
-    backend, cfg = trainer.backend, trainer.cfg
-    pending = pending_batch(plain, backend.rank, backend.world)
-    trainer.pending_episodes = episodes_from_plain(pending) if pending is not None and trainer.overlap else None
-    trainer.step = plain["step"]
-    trainer.data_epoch, trainer.data_pos, trainer.data_order = (plain["data"][k] for k in ("epoch", "pos", "order"))
-    if len(trainer.data_order) != len(trainer.train_tasks):  # --allow-data-change with another row count
-        from srpo.data import epoch_order
-
-        trainer.data_epoch, trainer.data_pos = trainer.data_epoch + 1, 0
-        trainer.data_order = epoch_order(len(trainer.train_tasks), cfg.run.seed, trainer.data_epoch)
-        log.warning("the training data now has %d rows: a new epoch starts over them", len(trainer.train_tasks))
-    if not backend.sharded_optimizer_state:
-        for pid, o in trainer.optimizers.items():
-            o.load_state_dict(tensors["optimizers"][pid])
-    for pid, s in trainer.schedulers.items():
-        s.load_state_dict(tensors["schedulers"][pid])
-    trainer.policies.versions.update(plain["versions"])
-    set_rng_state(plain["rng"], tensors["rng"])
-    by_rank = plain["rng"]["rollout_by_rank"]
-    if len(by_rank) == backend.world:
-        trainer.rollout_generator.set_state(torch.tensor(by_rank[backend.rank], dtype=torch.uint8))
-    else:  # another number of processes: each rank's sampling cannot continue its old stream
-        trainer.rollout_generator.manual_seed(cfg.run.seed * 1000 + backend.rank + 7919 * trainer.step)
-        if backend.rank == 0:
-            log.warning("resumed on %d process(es) from a checkpoint of %d: sampling continues from new "
-                        "per-rank seeds (the run is not bit-identical to an uninterrupted one)",
-                        backend.world, len(by_rank))
-    cuda_by_rank = plain["rng"].get("cuda_by_rank")
-    if cuda_by_rank and len(cuda_by_rank) == backend.world and cuda_by_rank[backend.rank] is not None:
-        if torch.cuda.is_available():
-            torch.cuda.set_rng_state(torch.tensor(cuda_by_rank[backend.rank], dtype=torch.uint8),
-                                     torch.cuda.current_device())
-    trainer.totals.clear()
-    trainer.totals.update(plain["totals"])
-    trainer.updater.nonfinite_in_a_row = plain["nonfinite_in_a_row"]
-    trainer.best = plain.get("best")
-
-
-def _cuda_rng_of_this_rank() -> list[int] | None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.get_rng_state(torch.cuda.current_device()).tolist()
-    return None
-
-
-def pending_batch(plain: dict[str, Any], rank: int, world: int) -> list | None:
-    """This rank's pending batch (``rollout.max_staleness``) from a checkpoint's plain state.
-
-    Same number of ranks: each rank continues with its own batch.  Another number: the batches
-    were sampled for another deal of tasks to ranks and cannot be split fairly, so they are dropped
-    and the step samples anew (said once, on rank 0).  A checkpoint from before per-rank batches
-    holds rank 0's only: usable by a one-process run alone.
-    """
-    by_rank = plain.get("pending_episodes_by_rank")
-    if by_rank is None:
-        legacy = plain.get("pending_episodes")
-        by_rank = [legacy] if legacy is not None else None
-    if not by_rank or all(b is None for b in by_rank):
-        return None
-    if len(by_rank) == world:
-        return by_rank[rank]
-    if rank == 0:
-        log.warning("the checkpoint holds the next step's batches of %d rank(s) and this run has %d: they are "
-                    "dropped and the next step samples anew from the data (the run is not bit-identical to an "
-                    "uninterrupted one)", len(by_rank), world)
-    return None
 
 
 def make_totals() -> defaultdict:

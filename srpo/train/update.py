@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from contextlib import contextmanager
 from typing import Any
 
@@ -33,17 +34,47 @@ class PolicyUpdate:
         policies: the :class:`~srpo.policies.layouts.PolicySet`.
         backend: the parallel backend (collectives, gradient reduction, idle passes).
         optimizers: policy id → optimizer.
+        schedulers: policy id → learning-rate scheduler (stepped once per training step,
+            :meth:`end_step`).
         autocast: a factory of the run's autocast context.
         totals: the run's running counters (``nonfinite_steps`` is counted here).
         device: this rank's device (default: ``run.device``).
     """
 
-    def __init__(self, cfg, method, policies, backend, optimizers, autocast, totals, device=None):
+    def __init__(self, cfg, method, policies, backend, optimizers, schedulers, autocast, totals, device=None):
         self.cfg, self.method, self.policies, self.backend = cfg, method, policies, backend
         self.device = device if device is not None else torch.device(cfg.run.device)
-        self.optimizers, self.autocast, self.totals = optimizers, autocast, totals
+        self.optimizers, self.schedulers, self.autocast, self.totals = optimizers, schedulers, autocast, totals
         self.nonfinite_in_a_row = 0
         self.reuse_forward_as_old = True  # see on_policy_single_step; tests turn it off to compare
+
+    # -- its state in a checkpoint -------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizers (left out under a backend that shards them: it saves its shards itself),
+        the schedulers and the count of non-finite steps in a row."""
+        sharded = self.backend.sharded_optimizer_state
+        return {"optimizers": {} if sharded else {pid: o.state_dict() for pid, o in self.optimizers.items()},
+                "schedulers": {pid: s.state_dict() for pid, s in self.schedulers.items()},
+                "nonfinite_in_a_row": self.nonfinite_in_a_row}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not self.backend.sharded_optimizer_state:
+            for pid, o in self.optimizers.items():
+                o.load_state_dict(state["optimizers"][pid])
+        for pid, s in self.schedulers.items():
+            s.load_state_dict(state["schedulers"][pid])
+        self.nonfinite_in_a_row = state["nonfinite_in_a_row"]
+
+    @property
+    def lr(self) -> float:
+        return self.schedulers[self.policies.policy_ids[0]].get_last_lr()[0]
+
+    def end_step(self) -> None:
+        """Advance the learning-rate schedule (also after a skipped, non-finite step: on purpose)."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            for sched in self.schedulers.values():
+                sched.step()
 
     # -- which forwards the update needs -------------------------------------------------------------
     @property

@@ -1,7 +1,8 @@
 """Workflows: the one interface for fixed, mixed and routed teams, and the built-in workflows."""
 
 from srpo.workflows.builtins import WORKFLOWS, Count, Workflow, build_workflow, register_workflow
-from srpo.workflows.runtime import EpisodeContext, EpisodeResult, Output, RoleSpec, Runtime, ToolResult
+from srpo.types import EpisodeResult, RoleSpec
+from srpo.workflows.runtime import EpisodeContext, Output, Runtime, ToolResult
 from srpo.workflows import openai_agent  # noqa: F401,E402 — registers the openai_agent workflow
 
 __all__ = ["WORKFLOWS", "Count", "EpisodeContext", "EpisodeResult", "Output", "RoleSpec", "Runtime", "ToolResult",

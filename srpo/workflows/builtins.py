@@ -39,7 +39,8 @@ from srpo.workflows.parsing import (
     parse_search_step,
     search_call_context,
 )
-from srpo.workflows.runtime import EpisodeContext, RoleSpec
+from srpo.types import RoleSpec
+from srpo.workflows.runtime import EpisodeContext
 
 QA_SYSTEM = "Answer the question with a short phrase inside <answer> and </answer>."
 SEARCH_SYSTEM = (

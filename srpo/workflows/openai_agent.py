@@ -37,7 +37,8 @@ from pydantic import Field
 from srpo.policies.sampling import SamplingParams
 from srpo.workflows import agent_worker
 from srpo.workflows.builtins import Count, OptionError, Workflow, register_workflow
-from srpo.workflows.runtime import RoleSpec, WorkflowError
+from srpo.types import RoleSpec
+from srpo.workflows.runtime import WorkflowError
 
 log = logging.getLogger(__name__)
 ROLE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")

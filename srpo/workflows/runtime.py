@@ -30,14 +30,14 @@ import logging
 import math
 import threading
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
 from srpo.events import Event, Member
 from srpo.policies.layouts import PolicySet
-from srpo.policies.sampling import GenerationRequest, Sample, SamplingParams
+from srpo.policies.sampling import GenerationRequest, Sample
 from srpo.tasks.base import Task
 from srpo.types import EpisodeResult, RoleSpec
 
