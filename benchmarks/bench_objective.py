@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from srpo.objective import policy_loss
+from srpo.objective import LossInputs, policy_loss
 
 
 def main() -> None:
@@ -39,7 +39,8 @@ def main() -> None:
         for name in times:
             lp = base.clone().requires_grad_(True)
             t = time.perf_counter()
-            loss, _ = policy_loss(name, logprobs=lp, old_logprobs=old, mask=mask, event_index=event_index, advantages=adv)
+            loss, _ = policy_loss(name, LossInputs(
+                logprobs=lp, old_logprobs=old, mask=mask, event_index=event_index, advantages=adv))
             loss.backward()
             if rep >= 5:
                 times[name].append(time.perf_counter() - t)

@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from srpo import stats  # noqa: E402
 from srpo.events import Event, Member, collate, split_minibatches  # noqa: E402
 from srpo.methods import METHODS, assign_advantages  # noqa: E402
-from srpo.objective import policy_loss  # noqa: E402
+from srpo.objective import LossInputs, LossSettings, policy_loss# noqa: E402
 
 #: method label → (registered srpo method, set_reduction).  GRPO/GSPO/Dr. MAS report set statistics
 #: with the reduction as a diagnostic only.
@@ -264,10 +264,11 @@ def run_one(spec: GameSpec, *, method: str, k: int, reward: str, policy: str, lr
                 batch = collate(part, pad_token_id=0)
                 c_ids, m_ids = batch.input_ids[:, 0], batch.input_ids[:, 1]
                 current = sequence_logprobs(net.table(game.prior), c_ids, m_ids, batch.completion_ids, start)
-                loss, metrics = policy_loss(
-                    loss_name, logprobs=current, old_logprobs=batch.old_logprobs, mask=batch.action_mask,
-                    event_index=batch.event_index, advantages=batch.advantages, clip_eps=spec.clip_eps,
-                    set_reduction=set_reduction, member_set_sizes=batch.member_set_sizes)
+                loss, metrics = policy_loss(loss_name, LossInputs(
+                    logprobs=current, old_logprobs=batch.old_logprobs, mask=batch.action_mask,
+                    event_index=batch.event_index, advantages=batch.advantages,
+                    member_set_sizes=batch.member_set_sizes),
+                    LossSettings(clip_eps=spec.clip_eps, set_reduction=set_reduction))
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from srpo.events import Event
-from srpo.objective import LOSSES, group_advantages
+from srpo.objective import LOSSES, LossSettings, group_advantages
 from srpo.registry import Registry
 
 
@@ -94,3 +94,11 @@ def assign_advantages(events: list[Event], method: "str | Method", *, scale: str
     for e, a in zip(events, advantages.tolist()):
         e.advantage = a
     return events
+
+
+def loss_settings(cfg) -> LossSettings:
+    """The loss hyperparameters of a run's config (``method.*``, ``train.tis_cap``), built once per
+    run: the update reads no config field per micro-batch."""
+    m = cfg.method
+    return LossSettings(clip_eps=m.clip_eps, clip_eps_high=m.clip_eps_high, set_reduction=m.set_reduction,
+                        member_reduction=m.member_reduction, kl_coef=m.kl_coef, tis_cap=cfg.train.tis_cap or None)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from srpo.events import Event, Member, collate, global_normalizer, shard_events, split_minibatches, validate_events
-from srpo.objective import policy_loss
+from srpo.objective import LossInputs, policy_loss
 
 
 def member(role="worker", prompt=(1, 2, 3), completion=(4, 5), mask=None, lp=None, index=0):
@@ -41,8 +41,9 @@ def test_missing_member_is_dropped_before_the_loss():
     valid, dropped = validate_events(events)
     batch = collate(valid, pad_token_id=0)
     lp = batch.behaviour_logprobs.clone().requires_grad_(True)
-    loss, metrics = policy_loss("srpo", logprobs=lp, old_logprobs=batch.behaviour_logprobs,
-                                mask=batch.action_mask, event_index=batch.event_index, advantages=torch.ones(1))
+    loss, metrics = policy_loss("srpo", LossInputs(
+        logprobs=lp, old_logprobs=batch.behaviour_logprobs, mask=batch.action_mask, event_index=batch.event_index,
+        advantages=torch.ones(1)))
     assert dropped == 1 and metrics["num_events"].item() == 1 and batch.event_index.tolist() == [0, 0, 0]
 
 

@@ -50,7 +50,7 @@ def readme_package(tmp_path: Path, name: str = "mypkg") -> Path:
 def _forget(package: str) -> None:
     """Drop what a recipe package registered, so later tests see the built-in registries."""
     from srpo.methods import METHODS
-    from srpo.objective import LOSSES
+    from srpo.objective import LOSSES, LossInputs
     from srpo.parallel import BACKENDS
     from srpo.policies.fast_decode import FAST_DECODERS
     from srpo.rollout import ENGINES
@@ -93,7 +93,7 @@ def test_recipe_a_loss_trains_by_import_path(mypkg, tmp_path):
     assert metrics["objective/num_events"] > 0 and "objective/set_ratio/mean" in metrics
     assert "objective/clip_frac" not in metrics  # the user's loss reported what it declared, nothing else
     assert moved(before, trainer)
-    from srpo.objective import update_unit
+    from srpo.objective import LossInputs, update_unit
 
     assert update_unit("set_pg") == "event"
 
@@ -347,7 +347,7 @@ def test_recipe_an_engine_a_backend_and_a_tracker_train_by_import_path(mypkg, tm
 
 def test_registries_list_names_and_reject_unknown_ones_with_the_valid_ones():
     from srpo.methods import METHODS
-    from srpo.objective import LOSSES, update_unit
+    from srpo.objective import LOSSES, LossInputs, update_unit
     from srpo.registry import RegistryError
     from srpo.tasks.kinds import TASK_KINDS
     from srpo.workflows import WORKFLOWS
@@ -408,7 +408,7 @@ def test_metrics_combine_as_declared():
 
 
 def test_gradient_share_by_k_splits_the_logprob_gradient():
-    from srpo.objective import policy_loss
+    from srpo.objective import LossInputs, policy_loss
     from srpo.objective.metrics import gradient_share_by_k
 
     g = torch.Generator().manual_seed(0)
@@ -419,8 +419,8 @@ def test_gradient_share_by_k_splits_the_logprob_gradient():
     old = lp.detach() + 0.01 * torch.randn(M, T, generator=g)
     adv = torch.tensor([1.0, -1.0, 0.5, 2.0])
     for name in ("srpo", "grpo"):
-        loss, _ = policy_loss(name, logprobs=lp, old_logprobs=old, mask=torch.ones(M, T), event_index=event_index,
-                              advantages=adv)
+        loss, _ = policy_loss(name, LossInputs(
+            logprobs=lp, old_logprobs=old, mask=torch.ones(M, T), event_index=event_index, advantages=adv))
         shares = gradient_share_by_k(loss, lp, sizes[event_index])
         (grad,) = torch.autograd.grad(loss, lp)
         mass = grad.abs().sum(1)
@@ -493,7 +493,7 @@ def test_schema_choices_match_the_objective():
     import typing
 
     from srpo import config
-    from srpo.objective import ADVANTAGE_SCALES, MEMBER_REDUCTIONS, SET_REDUCTIONS
+    from srpo.objective import ADVANTAGE_SCALES, LossInputs, MEMBER_REDUCTIONS, SET_REDUCTIONS
 
     assert set(typing.get_args(config.SetReduction)) == set(SET_REDUCTIONS)
     assert set(typing.get_args(config.MemberReduction)) == set(MEMBER_REDUCTIONS)

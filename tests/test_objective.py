@@ -5,11 +5,17 @@ import math
 import pytest
 import torch
 
-from srpo.objective import LOSSES, group_advantages, policy_loss, set_log_ratio
+from srpo.objective import LOSSES, LossInputs, LossSettings, group_advantages, policy_loss, set_log_ratio
 from srpo.objective.reference import reference_loss, sequence_ppo_clip
 
 JUNK = 123.0  # a value at masked positions that must never matter
 
+
+
+def _loss(name, **kw):
+    """policy_loss with its keyword arguments split into the inputs and the settings."""
+    settings = {k: kw.pop(k) for k in list(kw) if k in LossSettings.__dataclass_fields__}
+    return policy_loss(name, LossInputs(**kw), LossSettings(**settings))
 
 def closed_form_batch():
     """One K=1 event (A=+1, ratio e^0.3 — above 1.2, clipped) and one K=3 event (A=−0.5,
@@ -36,7 +42,7 @@ def closed_form_batch():
 @pytest.mark.parametrize("reduction, c", [("sqrt", 1 / math.sqrt(3)), ("sum", 1.0), ("mean", 1 / 3)])
 def test_closed_form_srpo(reduction, c):
     b = closed_form_batch()
-    loss, metrics = policy_loss("srpo", **b, set_reduction=reduction)
+    loss, metrics = _loss("srpo", **b, set_reduction=reduction)
     rho3 = math.exp(c * 0.45)
     # J = ½ [ min(e^0.3·1, 1.2·1) + min(ρ3·(−0.5), clip(ρ3)·(−0.5)) ] = ½ [1.2 − 0.5 ρ3]
     expected = -0.5 * (1.2 - 0.5 * rho3)
@@ -92,7 +98,7 @@ def test_vectorised_matches_loop_reference(name, opts, seed):
         opts["ref_logprobs"] = ref
     lp1 = b["logprobs"].clone().requires_grad_(True)
     lp2 = b["logprobs"].clone().requires_grad_(True)
-    loss, _ = policy_loss(name, **{**b, "logprobs": lp1}, **opts)
+    loss, _ = _loss(name, **{**b, "logprobs": lp1}, **opts)
     expected = reference_loss(name, **{**b, "logprobs": lp2}, **opts)
     loss.backward()
     expected.backward()
@@ -102,7 +108,7 @@ def test_vectorised_matches_loop_reference(name, opts, seed):
 
 def loss_and_grad(name, b, **opts):
     lp = b["logprobs"].detach().clone().requires_grad_(True)
-    loss, metrics = policy_loss(name, **{**b, "logprobs": lp}, **opts)
+    loss, metrics = _loss(name, **{**b, "logprobs": lp}, **opts)
     loss.backward()
     return loss.detach(), lp.grad, metrics
 
@@ -207,7 +213,7 @@ def test_metrics_are_detached():
     b, _ = random_batch(9)
     b["logprobs"] = b["logprobs"].clone().requires_grad_(True)
     for name in LOSSES:
-        _, metrics = policy_loss(name, **b)
+        _, metrics = _loss(name, **b)
         assert all(not v.requires_grad for v in metrics.values())
         for key in ("set_log_ratio/mean", "set_ratio/max", "clip_frac", "clip_frac_low", "clip_frac_high",
                     "approx_kl", "num_events", "overflow_guard"):
@@ -234,15 +240,15 @@ def test_bad_options_name_the_valid_ones(kwargs, message):
     b = closed_form_batch()
     name = kwargs.pop("name", "srpo")
     with pytest.raises(ValueError, match=message):
-        policy_loss(name, **b, **kwargs)
+        _loss(name, **b, **kwargs)
 
 
 def test_shape_errors_are_clear():
     b = closed_form_batch()
     with pytest.raises(ValueError, match="event_index"):
-        policy_loss("srpo", **{**b, "event_index": torch.tensor([0, 1])})
+        _loss("srpo", **{**b, "event_index": torch.tensor([0, 1])})
     with pytest.raises(ValueError, match=r"\[0, 2\)"):
-        policy_loss("srpo", **{**b, "event_index": torch.tensor([0, 1, 1, 5])})
+        _loss("srpo", **{**b, "event_index": torch.tensor([0, 1, 1, 5])})
 
 
 # --- group advantages -------------------------------------------------------------------------
@@ -294,9 +300,10 @@ def _tis_batch(seed=0):
 @pytest.mark.parametrize("name", ["srpo", "grpo", "gspo"])
 def test_tis_with_behaviour_equal_to_old_changes_nothing(name):
     cur, old, _, mask, idx, adv = _tis_batch()
-    plain, _ = policy_loss(name, logprobs=cur, old_logprobs=old, mask=mask, event_index=idx, advantages=adv)
-    tis, m = policy_loss(name, logprobs=cur, old_logprobs=old, mask=mask, event_index=idx, advantages=adv,
-                         behaviour_logprobs=old.clone(), tis_cap=2.0)
+    plain, _ = policy_loss(name, LossInputs(logprobs=cur, old_logprobs=old, mask=mask, event_index=idx, advantages=adv))
+    tis, m = policy_loss(name, LossInputs(
+        logprobs=cur, old_logprobs=old, mask=mask, event_index=idx, advantages=adv, behaviour_logprobs=old.clone()),
+        LossSettings(tis_cap=2.0))
     assert torch.allclose(plain, tis) and float(m["tis/weight_mean"]) == pytest.approx(1.0)
 
 
@@ -305,8 +312,9 @@ def test_tis_weights_each_set_by_its_truncated_setwise_ratio(reduction):
     """By hand: w_e = min(exp(c(K_e) Σ_j Σ_t (old − beh)), C), one weight per event, detached."""
     cur, old, beh, mask, idx, adv = _tis_batch(1)
     cap = 1.5
-    loss, m = policy_loss("srpo", logprobs=cur, old_logprobs=old, mask=mask, event_index=idx, advantages=adv,
-                          set_reduction=reduction, behaviour_logprobs=beh, tis_cap=cap)
+    loss, m = policy_loss("srpo", LossInputs(
+        logprobs=cur, old_logprobs=old, mask=mask, event_index=idx, advantages=adv, behaviour_logprobs=beh),
+        LossSettings(set_reduction=reduction, tis_cap=cap))
     total = 0.0
     weights = []
     for e in range(3):
@@ -332,16 +340,18 @@ def test_tis_weights_each_set_by_its_truncated_setwise_ratio(reduction):
     for e in range(3):
         sel = torch.zeros(3)
         sel[e] = 1.0
-        l, _ = policy_loss("srpo", logprobs=cur, old_logprobs=old, mask=mask, event_index=idx, advantages=adv * sel,
-                           set_reduction=reduction, normalizer=3)
+        l, _ = policy_loss("srpo", LossInputs(
+            logprobs=cur, old_logprobs=old, mask=mask, event_index=idx, advantages=adv * sel, normalizer=3),
+            LossSettings(set_reduction=reduction))
         per_event.append(torch.autograd.grad(l, cur)[0])
     assert torch.allclose(g_tis, sum(w * g for w, g in zip(weights, per_event)), atol=1e-6)
 
 
 def test_tis_per_token_for_grpo():
     cur, old, beh, mask, idx, adv = _tis_batch(2)
-    loss, _ = policy_loss("grpo", logprobs=cur, old_logprobs=old, mask=mask, event_index=idx, advantages=adv,
-                          behaviour_logprobs=beh, tis_cap=2.0)
+    loss, _ = policy_loss("grpo", LossInputs(
+        logprobs=cur, old_logprobs=old, mask=mask, event_index=idx, advantages=adv, behaviour_logprobs=beh),
+        LossSettings(tis_cap=2.0))
     w = torch.exp(old - beh).clamp(max=2.0)
     ratio = torch.exp(cur - old)
     a = adv[idx][:, None]
@@ -352,8 +362,9 @@ def test_tis_per_token_for_grpo():
 def test_tis_cap_below_one_is_refused():
     cur, old, beh, mask, idx, adv = _tis_batch()
     with pytest.raises(ValueError, match="tis_cap must be ≥ 1"):
-        policy_loss("srpo", logprobs=cur, old_logprobs=old, mask=mask, event_index=idx, advantages=adv,
-                    behaviour_logprobs=beh, tis_cap=0.5)
+        policy_loss("srpo", LossInputs(
+            logprobs=cur, old_logprobs=old, mask=mask, event_index=idx, advantages=adv, behaviour_logprobs=beh),
+            LossSettings(tis_cap=0.5))
 
 
 def test_group_advantages_stay_finite_for_any_finite_rewards():
@@ -362,7 +373,7 @@ def test_group_advantages_stay_finite_for_any_finite_rewards():
     advantages are the same as at any scale, centred ones are scaled back."""
     import torch
 
-    from srpo.objective import group_advantages
+    from srpo.objective import LossInputs, LossSettings, group_advantages
 
     groups = torch.tensor([0, 0, 0, 0, 1, 1])
     huge = torch.tensor([1e308, -1e308, 1e308, 0.0, 5.0, 7.0], dtype=torch.float64)

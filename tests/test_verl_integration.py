@@ -51,10 +51,10 @@ def test_srpo_sets_in_verl_match_our_objective():
     with srpo_verl.event_context(events, num_events=3):
         ours, metrics = core_algos.get_policy_loss_fn("srpo")(old, lp, adv, mask, "token-mean", cfg)
     (g_ours,) = torch.autograd.grad(ours, lp)
-    from srpo.objective import policy_loss
+    from srpo.objective import LossInputs, policy_loss
 
-    expected, _ = policy_loss("srpo", logprobs=lp, old_logprobs=old, mask=mask, event_index=events,
-                              advantages=event_adv, normalizer=3)
+    expected, _ = policy_loss("srpo", LossInputs(
+        logprobs=lp, old_logprobs=old, mask=mask, event_index=events, advantages=event_adv, normalizer=3))
     (g_expected,) = torch.autograd.grad(expected, lp)
     assert torch.allclose(ours, expected, atol=1e-10) and torch.allclose(g_ours, g_expected, atol=1e-10)
     assert metrics["actor/srpo/num_events"] == 3

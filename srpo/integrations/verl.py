@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from srpo.objective import group_advantages, policy_loss
+from srpo.objective import LossInputs, LossSettings, group_advantages, policy_loss
 
 _EVENTS: contextvars.ContextVar[tuple[torch.Tensor, int | None] | None] = contextvars.ContextVar("srpo_events",
                                                                                                 default=None)
@@ -73,10 +73,11 @@ def srpo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg
     clip = getattr(config, "clip_ratio", 0.2) if config is not None else 0.2
     low = getattr(config, "clip_ratio_low", None) if config is not None else None
     high = getattr(config, "clip_ratio_high", None) if config is not None else None
-    loss, metrics = policy_loss(
-        "srpo", logprobs=log_prob, old_logprobs=old_log_prob, mask=response_mask, event_index=event_index,
-        advantages=event_adv, clip_eps=low if low is not None else clip, clip_eps_high=high if high is not None else clip,
-        set_reduction=_OPTIONS["set_reduction"], member_reduction=_OPTIONS["member_reduction"], normalizer=num_events)
+    loss, metrics = policy_loss("srpo", LossInputs(
+        logprobs=log_prob, old_logprobs=old_log_prob, mask=response_mask, event_index=event_index,
+        advantages=event_adv, normalizer=num_events),
+        LossSettings(clip_eps=low if low is not None else clip, clip_eps_high=high if high is not None else clip,
+        set_reduction=_OPTIONS["set_reduction"], member_reduction=_OPTIONS["member_reduction"]))
     if num_events is not None and config is not None:
         # verl's FSDP backends average gradients over data-parallel ranks; undo it so the
         # global-event normaliser holds (the same dp_size scaling verl's agg_loss applies).

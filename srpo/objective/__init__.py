@@ -13,7 +13,8 @@ at the same point, once per step, and a caller that never calls it stays single-
 
 Public API
 ----------
-- :func:`policy_loss` — one entry point for every registered loss (``srpo``, ``grpo``, ``gspo``).
+- :func:`policy_loss` — one entry point for every registered loss (``srpo``, ``grpo``, ``gspo``):
+  ``policy_loss(name, LossInputs(...), LossSettings(...))``.
 - :func:`group_advantages` — group-relative advantages, one per event.
 - :data:`LOSSES`, :func:`register_loss`, :func:`update_unit` — the loss registry and each loss's update unit.
 - :class:`~srpo.objective.metrics.Metrics` — diagnostics that declare how they combine.
@@ -24,6 +25,8 @@ from srpo.objective.advantages import ADVANTAGE_SCALES, group_advantages
 from srpo.objective.losses import (
     LOSSES,
     MEMBER_REDUCTIONS,
+    LossInputs,
+    LossSettings,
     SET_REDUCTIONS,
     update_unit,
     policy_loss,
@@ -34,6 +37,8 @@ from srpo.objective.losses import (
 __all__ = [
     "ADVANTAGE_SCALES",
     "LOSSES",
+    "LossInputs",
+    "LossSettings",
     "MEMBER_REDUCTIONS",
     "SET_REDUCTIONS",
     "update_unit",

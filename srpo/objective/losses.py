@@ -373,52 +373,86 @@ def _gspo_loss(b: MemberBatch, *, clip_low, clip_high, normalizer, kl_coef):
     return _add_kl(b, pg_loss, metrics, lambda: (b.ref_kl.sum(1) / b.tokens.clamp(min=1)).sum(), denom, kl_coef)
 
 
-def policy_loss(
-    name: str,
-    *,
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    mask: torch.Tensor,
-    event_index: torch.Tensor,
-    advantages: torch.Tensor,
-    clip_eps: float = 0.2,
-    clip_eps_high: float | None = None,
-    set_reduction: str = "sqrt",
-    member_reduction: str = "sum",
-    normalizer: float | int | torch.Tensor | None = None,
-    ref_logprobs: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    max_log_ratio: float = 20.0,
-    behaviour_logprobs: torch.Tensor | None = None,
-    tis_cap: float | None = None,
-    member_set_sizes: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, Metrics]:
-    """Compute a registered policy loss and its diagnostics.
+@dataclass(frozen=True)
+class LossSettings:
+    """A loss's hyperparameters: fixed for a run (built once from its config,
+    :func:`srpo.methods.loss_settings`); the defaults are SRPO's.
 
-    Args:
-        name: a registered loss (``srpo``, ``grpo``, ``gspo``; :data:`LOSSES`) or an import path to one.
-        logprobs: (M, T) log q_cur of each completion token (carries the gradient).
-        old_logprobs: (M, T) log q_old, the behaviour policy's log-probs.
-        mask: (M, T) 1 on action tokens, 0 on padding and tool/environment text.
-        event_index: (M,) long in [0, E): the event each member belongs to.
-        advantages: (E,) one advantage per event.
+    Attributes:
         clip_eps: ε_low; the ratio is clipped to [1 − ε_low, 1 + ε_high].
         clip_eps_high: ε_high; defaults to ``clip_eps`` (set it for DAPO-style clip-higher).
         set_reduction: c(K) of the set log-ratio, ``sqrt`` (1/√K), ``sum`` (1) or ``mean`` (1/K).
             Used by ``srpo``; the other losses report set statistics with it as diagnostics.
         member_reduction: ``sum`` of token log-ratios per member, or their ``mean``.
+        kl_coef: weight of a KL penalty to a frozen reference (k3 estimator; needs
+            ``LossInputs.ref_logprobs``).
+        max_log_ratio: overflow guard on every log-ratio before ``exp``.
+        tis_cap: C of truncated importance sampling of the sampler/trainer mismatch: each unit's
+            loss is weighted by min(π_old/π_beh, C), the ratio formed per update unit like the
+            policy ratio (needs ``LossInputs.behaviour_logprobs``); ``None``/0 turns it off.
+    """
+
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    set_reduction: str = "sqrt"
+    member_reduction: str = "sum"
+    kl_coef: float = 0.0
+    max_log_ratio: float = 20.0
+    tis_cap: float | None = None
+
+    def __post_init__(self):
+        if self.clip_eps < 0 or (self.clip_eps_high is not None and self.clip_eps_high < 0):
+            raise ValueError(f"clip ranges must be non-negative; got clip_eps={self.clip_eps}, "
+                             f"clip_eps_high={self.clip_eps_high}")
+        if self.tis_cap and self.tis_cap < 1:
+            raise ValueError(f"tis_cap must be ≥ 1 (a cap below 1 shrinks on-policy samples); got {self.tis_cap}")
+
+    @property
+    def clip_high(self) -> float:
+        return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
+
+
+@dataclass
+class LossInputs:
+    """One micro-batch's tensors for :func:`policy_loss`.
+
+    Attributes:
+        logprobs: (M, T) log q_cur of each completion token (carries the gradient).
+        old_logprobs: (M, T) log q_old, the behaviour policy's log-probs.
+        mask: (M, T) 1 on action tokens, 0 on padding and tool/environment text.
+        event_index: (M,) long in [0, E): the event each member belongs to.
+        advantages: (E,) one advantage per event.
         normalizer: the global number of update units of the optimizer step (events for srpo,
             action tokens for grpo, members for gspo). ``None``: the local count.
-        ref_logprobs: (M, T) log-probs of a frozen reference, for a KL penalty (k3 estimator).
-        kl_coef: weight of that penalty.
-        max_log_ratio: overflow guard on every log-ratio before ``exp``.
-        behaviour_logprobs: (M, T) log-probs the rollout engine reported for the samples; with
-            ``tis_cap`` (C > 0), each unit's loss is weighted by min(π_old/π_beh, C), the ratio
-            formed per update unit like the policy ratio (truncated importance sampling).
-        tis_cap: C; ``None``/0 turns the correction off.
+        ref_logprobs: (M, T) log-probs of a frozen reference (for ``kl_coef``).
+        behaviour_logprobs: (M, T) log-probs the rollout engine reported (for ``tis_cap``).
         member_set_sizes: (M,) long, the set size K each member's by-K diagnostics are reported
             under (default: its event's member count; pass the transition's K when K-events were
             split into one-member events, as the member-level baselines do).
+    """
+
+    logprobs: torch.Tensor
+    old_logprobs: torch.Tensor
+    mask: torch.Tensor
+    event_index: torch.Tensor
+    advantages: torch.Tensor
+    normalizer: float | int | torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    behaviour_logprobs: torch.Tensor | None = None
+    member_set_sizes: torch.Tensor | None = None
+
+
+DEFAULT_SETTINGS = LossSettings()
+
+
+def policy_loss(name: str, inputs: LossInputs, settings: LossSettings = DEFAULT_SETTINGS
+                ) -> tuple[torch.Tensor, Metrics]:
+    """Compute a registered policy loss and its diagnostics.
+
+    Args:
+        name: a registered loss (``srpo``, ``grpo``, ``gspo``; :data:`LOSSES`) or an import path to one.
+        inputs: the micro-batch's tensors (:class:`LossInputs`, shapes there).
+        settings: the run's hyperparameters (:class:`LossSettings`; default: SRPO's).
 
     Returns:
         ``(loss, metrics)``: a scalar to minimise, and a :class:`~srpo.objective.metrics.Metrics`
@@ -431,24 +465,18 @@ def policy_loss(
     """
     if name not in LOSSES:
         raise ValueError(f"unknown loss {name!r}; valid: {', '.join(LOSSES.names())} (or package.module:function)")
-    if clip_eps < 0 or (clip_eps_high is not None and clip_eps_high < 0):
-        raise ValueError(f"clip ranges must be non-negative; got clip_eps={clip_eps}, clip_eps_high={clip_eps_high}")
-    batch = _prepare(
-        logprobs, old_logprobs, mask, event_index, advantages, set_reduction, member_reduction,
-        ref_logprobs, max_log_ratio,
-    )
-    if tis_cap:
-        if behaviour_logprobs is None or behaviour_logprobs.shape != logprobs.shape:
+    x, s = inputs, settings
+    batch = _prepare(x.logprobs, x.old_logprobs, x.mask, x.event_index, x.advantages, s.set_reduction,
+                     s.member_reduction, x.ref_logprobs, s.max_log_ratio)
+    if s.tis_cap:
+        if x.behaviour_logprobs is None or x.behaviour_logprobs.shape != x.logprobs.shape:
             raise ValueError("tis_cap needs behaviour_logprobs of the (M, T) shape of logprobs")
-        if tis_cap < 1:
-            raise ValueError(f"tis_cap must be ≥ 1 (a cap below 1 shrinks on-policy samples); got {tis_cap}")
         batch.behaviour_log_ratio = torch.where(
-            batch.mask, old_logprobs.to(logprobs.dtype) - behaviour_logprobs.to(logprobs.dtype),
-            torch.zeros_like(logprobs))
-        batch.tis_cap = float(tis_cap)
-    if member_set_sizes is not None:
-        if member_set_sizes.shape != event_index.shape:
-            raise ValueError(f"member_set_sizes must be (M,) like event_index; got {tuple(member_set_sizes.shape)}")
-        batch.member_set_sizes = member_set_sizes.to(event_index.device)
-    clip_high = clip_eps if clip_eps_high is None else clip_eps_high
-    return LOSSES[name](batch, clip_low=clip_eps, clip_high=clip_high, normalizer=normalizer, kl_coef=kl_coef)
+            batch.mask, x.old_logprobs.to(x.logprobs.dtype) - x.behaviour_logprobs.to(x.logprobs.dtype),
+            torch.zeros_like(x.logprobs))
+        batch.tis_cap = float(s.tis_cap)
+    if x.member_set_sizes is not None:
+        if x.member_set_sizes.shape != x.event_index.shape:
+            raise ValueError(f"member_set_sizes must be (M,) like event_index; got {tuple(x.member_set_sizes.shape)}")
+        batch.member_set_sizes = x.member_set_sizes.to(x.event_index.device)
+    return LOSSES[name](batch, clip_low=s.clip_eps, clip_high=s.clip_high, normalizer=x.normalizer, kl_coef=s.kl_coef)

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from srpo.events import Event, collate, global_normalizer, split_minibatches
-from srpo.objective import policy_loss
+from srpo.methods import loss_settings
+from srpo.objective import LossInputs, policy_loss
 from srpo.objective.metrics import MetricAccumulator, Metrics, gradient_share_by_k
 from srpo.parallel.base import global_norm_value
 from srpo.train.diagnostics import RolloutMismatch, role_lengths, role_stats
@@ -45,6 +46,7 @@ class PolicyUpdate:
         self.cfg, self.method, self.policies, self.backend = cfg, method, policies, backend
         self.device = device if device is not None else torch.device(cfg.run.device)
         self.optimizers, self.schedulers, self.autocast, self.totals = optimizers, schedulers, autocast, totals
+        self.loss_settings = loss_settings(cfg)  # the loss's hyperparameters, read once per run
         self.nonfinite_in_a_row = 0
         self.reuse_forward_as_old = True  # see on_policy_single_step; tests turn it off to compare
 
@@ -228,7 +230,7 @@ class PolicyUpdate:
 
     def _minibatch(self, mb: list[Event], epoch: int, acc, roles, mismatch, counts) -> torch.Tensor:
         """Forward and backward every micro-batch of one mini-batch; returns this rank's loss."""
-        cfg, t = self.cfg, self.cfg.train
+        t = self.cfg.train
         device = self.device
         normalizer = max(self.backend.sum_int(global_normalizer(mb, self.method.loss)), 1)
         micro, _ = split_minibatches(mb, t.microbatches, self.method.loss)
@@ -245,21 +247,18 @@ class PolicyUpdate:
             want_entropy = epoch == 0
             lp, ent = self.logprobs(batch, grad=True, entropy=True) if want_entropy else \
                 (self.logprobs(batch, grad=True), None)
-            ref = self.reference_logprobs(batch) if cfg.method.kl_coef > 0 else None
+            ref = self.reference_logprobs(batch) if self.loss_settings.kl_coef > 0 else None
             # A single optimizer step per rollout (strictly on-policy): q_old is the current model,
             # whose log-probs this very forward computes; reuse them rather than running the same
             # forward twice (bit-identical to a recompute pass).
             old = lp.detach() if self.on_policy_single_step else batch.old_logprobs.to(lp.device)
             if self.on_policy_single_step:
                 mismatch.add(batch, old)
-            loss, metrics = policy_loss(
-                self.method.loss, logprobs=lp, old_logprobs=old, mask=batch.action_mask,
-                event_index=batch.event_index, advantages=batch.advantages.to(device),
-                clip_eps=cfg.method.clip_eps, clip_eps_high=cfg.method.clip_eps_high,
-                set_reduction=cfg.method.set_reduction, member_reduction=cfg.method.member_reduction,
-                normalizer=normalizer, ref_logprobs=ref, kl_coef=cfg.method.kl_coef,
-                behaviour_logprobs=batch.behaviour_logprobs.to(lp.device) if t.tis_cap else None,
-                tis_cap=t.tis_cap or None, member_set_sizes=batch.member_set_sizes.to(device))
+            loss, metrics = policy_loss(self.method.loss, LossInputs(
+                logprobs=lp, old_logprobs=old, mask=batch.action_mask, event_index=batch.event_index,
+                advantages=batch.advantages.to(device), normalizer=normalizer, ref_logprobs=ref,
+                behaviour_logprobs=batch.behaviour_logprobs.to(lp.device) if self.loss_settings.tis_cap else None,
+                member_set_sizes=batch.member_set_sizes.to(device)), self.loss_settings)
             metrics.update_from(gradient_share_by_k(loss, lp, batch.member_set_sizes.to(device)))
             loss.backward()
             total_loss += loss.detach().cpu()
