@@ -420,12 +420,13 @@ def runtime(cfg: Config, team_: Team, engine_, generator, reward_fn=None):
                     policies=team_.policies)
 
 
-def metrics_logger(cfg: Config, rank: int):
-    """``metrics.jsonl``, samples and the configured trackers (rank 0 writes)."""
+def metrics_logger(cfg: Config, rank: int, run_dir: Path | None = None):
+    """``metrics.jsonl``, samples and the configured trackers in ``run_dir`` (default:
+    ``run.output_dir``; rank 0 writes)."""
     from srpo.runs.metrics_log import MetricsLogger
 
     return MetricsLogger(
-        Path(cfg.run.output_dir), cfg.log.active_backends(), enabled=rank == 0,
+        Path(run_dir if run_dir is not None else cfg.run.output_dir), cfg.log.active_backends(), enabled=rank == 0,
         tracker_options={"project": cfg.log.project, "run_name": cfg.log.run_name, "config": cfg.to_dict(),
                          "mlflow_tracking_uri": cfg.log.mlflow_tracking_uri, "wandb_mode": cfg.log.wandb_mode,
                          "timeout_s": cfg.log.tracker_timeout_s})

@@ -38,8 +38,9 @@ def test_scripted_search_team_transcripts_train_and_warm_start_rl(tmp_path, monk
     assert first[-1]["output"].startswith("<answer>") and "Information:" in first[-1]["prompt"]
     summary = json.loads((out / "sft.json").read_text())
     assert summary["kept"] == len(episodes) and summary["loss_last"] < summary["loss_first"]
-    losses = [json.loads(line)["loss"] for line in (out / "sft_metrics.jsonl").read_text().splitlines()]
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == summary["steps"] and losses[-1] < losses[0]
+    assert (out / "checkpoints" / "latest").exists()  # written by RL training's checkpoint code
     # RL starts from the fine-tuned weights.
     rl = Trainer(load_config(SEARCH_TEAM, sft_overrides(tmp_path, f"model.init_from={model_dir}")), progress=False)
     from safetensors.torch import load_file
@@ -98,16 +99,18 @@ def test_sft_teaches_a_role_its_format(tmp_path):
     """A memorised format: after SFT the role's greedy answer is the transcript's output."""
     from srpo import build
     from srpo.policies.sampling import SamplingParams
-    from srpo.apps.sft import examples_from, train_sft
+    from srpo.apps.sft import examples_from
+    from srpo.train.supervised import SupervisedTrainer
     from srpo.workflows.runtime import render_prompt_ids
 
-    cfg = load_config(SEARCH_TEAM, sft_overrides(tmp_path, "sft.data=unused"))
+    cfg = load_config(SEARCH_TEAM, sft_overrides(tmp_path, "sft.data=unused", "sft.epochs=40", "sft.lr=0.01",
+                                                 "sft.batch_size=4"))
     team = build.team(cfg)
     episodes = [{"turns": [{"role": "verifier", "input": f"Question: q{i}\n\nInformation gathered:\n(none yet)",
                             "output": "SEARCH"} for i in range(4)]}]
     examples = examples_from(episodes, team.role_specs, team.policies.tokenizer)
     assert examples[0].completion_ids[-1] == team.policies.tokenizer.eos_token_id  # it learns to stop too
-    train_sft(cfg, examples, team.policies, epochs=40, lr=0.01, batch_size=4, progress=False)
+    SupervisedTrainer(cfg, examples, team.policies, tmp_path / "sft", artefacts=(), progress=False).fit()
     from srpo.policies.sampling import GenerationRequest
 
     spec = team.role_specs["verifier"]
@@ -115,6 +118,40 @@ def test_sft_teaches_a_role_its_format(tmp_path):
     (sample,) = team.policies.generate([GenerationRequest("verifier", ids, SamplingParams(temperature=0.0,
                                                                                          max_new_tokens=12))])
     assert sample.text.strip() == "SEARCH"
+
+
+def test_a_stopped_fine_tuning_resumes_where_it_stopped_bit_identically(tmp_path):
+    """SFT checkpoints with RL training's code: stopped after step 3 of 6 and resumed in a new
+    process-like trainer, it ends with the weights of an uninterrupted run (one thread)."""
+    from srpo import build
+    from srpo.apps.sft import examples_from
+    from srpo.train.supervised import SupervisedTrainer
+
+    torch.set_num_threads(1)
+    episodes = [{"turns": [{"role": "verifier", "input": f"Question: q{i}", "output": f"SEARCH {i % 3}"},
+                           {"role": "answerer", "input": f"q{i}?", "output": f"<answer>{i}</answer>"}]}
+                for i in range(6)]
+
+    def trainer(folder):
+        cfg = load_config(SEARCH_TEAM, sft_overrides(tmp_path, "sft.data=unused", "sft.epochs=3", "sft.lr=0.01",
+                                                     "sft.batch_size=5", "checkpoint.every=3", "run.seed=3"))
+        team = build.team(cfg)
+        examples = examples_from(episodes, team.role_specs, team.policies.tokenizer)
+        return SupervisedTrainer(cfg, examples, team.policies, tmp_path / folder, artefacts=(), progress=False)
+
+    whole = trainer("whole")
+    whole.fit()
+    assert whole.step == 9  # 3 epochs × ceil(12 / 5)
+    cut = trainer("cut")
+    cut.target_steps = 3  # as if killed right after the step-3 checkpoint
+    cut.fit()
+    resumed = trainer("cut")
+    assert resumed.resume() and resumed.step == 3
+    resumed.fit()
+    for a, b in zip(whole.policies.parameters("shared"), resumed.policies.parameters("shared")):
+        assert torch.equal(a, b)
+    rows = [json.loads(line) for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 10))
 
 
 def test_transcript_turns_by_input_or_by_prompt_give_the_runtime_s_prompts(tmp_path):

@@ -307,7 +307,7 @@ def _sft(args) -> int:
     cfg = load_config(args.config, args.set)
     check_sft_config(cfg)  # before any model loads
     preemption.install(cfg.run.preempt_grace_s)
-    model = run_sft(cfg, overwrite=args.overwrite)
+    model = run_sft(cfg, overwrite=args.overwrite, resume=args.resume)
     print(f"done: fine-tuned weights in {model}; evaluate them with srpo eval --model {model.parent} --data ...; "
           f"start RL from them with --set model.init_from={model} (same model.layout: {cfg.model.layout})")
     return 0
@@ -442,6 +442,8 @@ def _add_run_commands(sub) -> None:
                    help="override config fields, e.g. sft.script=srpo.tasks.scripts:search_team sft.episodes=300")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a previous fine-tuning's output in sft.output_dir (only what srpo sft wrote there)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue a stopped fine-tuning in sft.output_dir from its newest checkpoint")
     p.set_defaults(func=_sft)
 
     p = sub.add_parser("eval", help="avg@k / pass@k of a model or checkpoint in a workflow")

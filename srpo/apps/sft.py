@@ -28,6 +28,9 @@ retriever's real results — shape every prompt), keeps the episodes whose rewar
 
 The fine-tuned weights go to ``<sft.output_dir>/model`` (with the config in ``config.json``); an
 RL run starts from them with ``model.init_from: <sft.output_dir>/model`` and the same layout.
+The training itself is :class:`srpo.train.supervised.SupervisedTrainer`: RL training's backend,
+optimizer builder, metrics log (``metrics.jsonl``, the trackers) and checkpoints
+(``checkpoint.every``; ``srpo sft --resume`` continues a stopped fine-tuning).
 """
 
 from __future__ import annotations
@@ -36,29 +39,16 @@ import json
 import logging
 import math
 import random
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-
 from srpo import build
-from srpo.runs import preemption
 from srpo.config import Config
 from srpo.runs.fileio import write_text_atomic
 from srpo.tasks.base import DatasetError, Task
+from srpo.train.supervised import Example
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Example:
-    """One turn to learn: ``completion_ids`` after ``prompt_ids``, by ``role``."""
-
-    role: str
-    prompt_ids: list[int]
-    completion_ids: list[int]
 
 
 # ----------------------------------------------------------------------------- transcripts
@@ -198,81 +188,6 @@ def context_length(policies, fallback: int = 4096) -> int:
     return min(lengths) if lengths else fallback
 
 
-# ----------------------------------------------------------------------------- training
-
-def _batches(examples: list[Example], size: int, rng: random.Random) -> list[list[Example]]:
-    order = list(range(len(examples)))
-    rng.shuffle(order)
-    return [[examples[i] for i in order[s:s + size]] for s in range(0, len(order), size)]
-
-
-def _collate(batch: list[Example], pad_id: int):
-    """(B, P + T) left-padded prompts then right-padded completions, as the RL update collates."""
-    P = max(len(e.prompt_ids) for e in batch)
-    T = max(len(e.completion_ids) for e in batch)
-    ids = torch.full((len(batch), P + T), pad_id, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    mask = torch.zeros(len(batch), T)
-    for i, e in enumerate(batch):
-        p, t = len(e.prompt_ids), len(e.completion_ids)
-        ids[i, P - p:P] = torch.tensor(e.prompt_ids)
-        ids[i, P:P + t] = torch.tensor(e.completion_ids)
-        attn[i, P - p:P + t] = 1
-        mask[i, :t] = 1
-    return ids, attn, P, mask
-
-
-def train_sft(cfg: Config, examples: list[Example], policies, *, epochs: int, lr: float, batch_size: int,
-              progress: bool = True, on_step: Callable[[dict], None] | None = None) -> list[dict[str, float]]:
-    """Cross-entropy on the completion tokens, each example through its role's policy; one AdamW
-    per policy; the mean token loss per optimizer step is returned (and passed to ``on_step``)."""
-    optimizers = {pid: torch.optim.AdamW(policies.parameters(pid), lr=lr, weight_decay=0.0)
-                  for pid in policies.policy_ids}
-    device = build.device(cfg)
-    autocast = build.autocast(cfg)
-    pad = policies.tokenizer.pad_token_id if policies.tokenizer.pad_token_id is not None else 0
-    rng = random.Random(cfg.run.seed)
-    history = []
-    total = epochs * math.ceil(len(examples) / batch_size)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=total, desc="sft", unit="step", dynamic_ncols=True)
-    for epoch in range(epochs):
-        for batch in _batches(examples, batch_size, rng):
-            started = time.perf_counter()
-            tokens = sum(len(e.completion_ids) for e in batch)
-            loss_sum = 0.0
-            for pid in sorted({policies.policy_of(e.role) for e in batch}):
-                rows = [e for e in batch if policies.policy_of(e.role) == pid]
-                ids, attn, P, mask = (x.to(device) if isinstance(x, torch.Tensor) else x for x in _collate(rows, pad))
-                with autocast:
-                    lp = policies.logprobs(pid, ids, attn, P, action_mask=mask, chunk_tokens=cfg.train.chunk_tokens)
-                nll = -(lp * mask).sum()
-                (nll / tokens).backward()  # the batch's mean token loss, whichever policy a token is under
-                loss_sum += float(nll.detach())
-            for pid, opt in optimizers.items():
-                torch.nn.utils.clip_grad_norm_(policies.parameters(pid), cfg.train.max_grad_norm or float("inf"))
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            row = {"step": len(history) + 1, "epoch": epoch, "loss": loss_sum / tokens, "tokens": tokens,
-                   "time_s": time.perf_counter() - started}
-            history.append(row)
-            if on_step is not None:
-                on_step(row)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{row['loss']:.3f}")
-            if preemption.requested():  # a safe point: the weights are whole after an optimizer step
-                break
-        if preemption.requested():
-            break
-    if bar is not None:
-        bar.close()
-    return history
-
-
 def check_sft_config(cfg: Config) -> None:
     """What ``srpo sft`` needs beyond a valid run config; raises :class:`ConfigError` naming the field."""
     from srpo.config import ConfigError
@@ -297,29 +212,41 @@ def check_sft_config(cfg: Config) -> None:
         raise ConfigError(f"sft.lr: must be > 0, got {s.lr}")
 
 
-SFT_ARTEFACTS = ("model", "transcripts.jsonl", "sft_metrics.jsonl", "sft.json", "config.json")
+SFT_FILES = ("model", "transcripts.jsonl", "sft.json", "config.json")
 
 
-def run_sft(cfg: Config, progress: bool = True, overwrite: bool = False) -> Path:
+def sft_artefacts(cfg: Config) -> tuple[str, ...]:
+    """What ``srpo sft`` writes in ``sft.output_dir``: its files, and a training run's logs,
+    checkpoints and trackers' folders."""
+    from srpo.train.state import run_artefacts
+
+    return (*SFT_FILES, *run_artefacts(cfg))
+
+
+def run_sft(cfg: Config, progress: bool = True, overwrite: bool = False, resume: bool = False) -> Path:
     """The whole stage: transcripts (file or script) → examples → fine-tuned policies saved to
     ``<sft.output_dir>/model``.  Returns that folder.
 
     The output folder is claimed as a training run's is (:mod:`srpo.runs.run_dir`): locked while this
     runs, refused when it holds another fine-tuning's output unless ``overwrite`` (which deletes
-    exactly what srpo sft wrote there), never written through a link srpo did not make."""
+    exactly what srpo sft wrote there) or ``resume`` (which continues from its newest checkpoint),
+    never written through a link srpo did not make."""
     from srpo.runs import run_dir as run_folder
 
     check_sft_config(cfg)
     out = Path(cfg.sft.output_dir)
     with run_folder.RunLock(out):
-        deleted = run_folder.claim(out, SFT_ARTEFACTS, overwrite=overwrite, resume_hint="")
-        if deleted:
-            log.warning("--overwrite: deleted the previous fine-tuning's %s in %s", ", ".join(deleted), out)
-        return _run_sft(cfg, out, progress)
+        if not resume:
+            deleted = run_folder.claim(out, sft_artefacts(cfg), overwrite=overwrite,
+                                       resume_hint=" (or continue it with --resume)")
+            if deleted:
+                log.warning("--overwrite: deleted the previous fine-tuning's %s in %s", ", ".join(deleted), out)
+        return _run_sft(cfg, out, progress, resume)
 
 
-def _run_sft(cfg: Config, out: Path, progress: bool) -> Path:
+def _run_sft(cfg: Config, out: Path, progress: bool, resume: bool) -> Path:
     from srpo.registry import import_object
+    from srpo.train.supervised import SupervisedTrainer
 
     s = cfg.sft
     team = build.team(cfg)
@@ -327,6 +254,9 @@ def _run_sft(cfg: Config, out: Path, progress: bool) -> Path:
     if s.data:
         episodes = read_transcripts(s.data)
         stats: dict[str, float] = {"episodes": len(episodes), "kept": len(episodes)}
+    elif resume and (out / "transcripts.jsonl").is_file():  # the scripted transcripts the run trained on
+        episodes = read_transcripts(out / "transcripts.jsonl")
+        stats = {"episodes": len(episodes), "kept": len(episodes)}
     else:
         script = import_object(s.script)
         episodes, stats = scripted_transcripts(cfg, script, s.episodes, s.min_reward, tokenizer, progress)
@@ -341,30 +271,18 @@ def _run_sft(cfg: Config, out: Path, progress: bool) -> Path:
     if not examples:
         raise DatasetError(f"no turn to train on: {counts.get('long_turns_skipped', 0)} were longer than "
                            f"{s.max_turn_tokens or context_length(team.policies)} tokens (sft.max_turn_tokens)")
-    log_path = out / "sft_metrics.jsonl"
-    log_path.write_text("")
+    trainer = SupervisedTrainer(cfg, examples, team.policies, out, artefacts=sft_artefacts(cfg), progress=progress)
+    if resume and not trainer.resume():
+        log.warning("--resume: no checkpoint in %s; the fine-tuning starts at step 0", out / "checkpoints")
+    trainer.fit()  # raises Preempted after a checkpoint on SIGTERM/SIGUSR1 (srpo sft --resume continues)
+    trainer.save_model(out / "model")
+    if trainer.backend.rank == 0:
+        from srpo.runs.metrics_log import read_metrics
 
-    def record(row):
-        with log_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-
-    for m in team.policies.modules():
-        m.train(cfg.model.layout == "lora" and cfg.model.lora.dropout > 0)  # LoRA dropout acts here too
-    history = train_sft(cfg, examples, team.policies, epochs=s.epochs, lr=s.lr, batch_size=s.batch_size,
-                        progress=progress, on_step=record)
-    for m in team.policies.modules():
-        m.eval()
-    team.policies.save_pretrained(out / "model")
-    signal_name = preemption.requested()
-    planned = s.epochs * math.ceil(len(examples) / s.batch_size)
-    summary = {**stats, **counts, "examples": len(examples), "steps": len(history),
-               **({"stopped_early": f"{signal_name} after step {len(history)} of {planned}"} if signal_name else {}),
-               "loss_first": history[0]["loss"] if history else None, "loss_last": history[-1]["loss"] if history else None,
-               "by_role": {r: sum(1 for e in examples if e.role == r) for r in sorted({e.role for e in examples})}}
-    write_text_atomic(out / "sft.json", json.dumps(summary, indent=1))
-    write_text_atomic(out / "config.json", json.dumps(cfg.to_dict(), indent=1, default=str))
-    if signal_name:
-        preemption.done()
-        raise preemption.Preempted(f"{signal_name}: the fine-tuning stopped after step {len(history)} of {planned}; "
-                                   f"the weights so far are in {out / 'model'} (sft.json says so)")
+        losses = [row["loss"] for row in read_metrics(out) if "loss" in row]
+        summary = {**stats, **counts, "examples": len(examples), "steps": trainer.step,
+                   "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
+                   "by_role": {r: sum(1 for e in examples if e.role == r) for r in sorted({e.role for e in examples})}}
+        write_text_atomic(out / "sft.json", json.dumps(summary, indent=1))
+        write_text_atomic(out / "config.json", json.dumps(cfg.to_dict(), indent=1, default=str))
     return out / "model"

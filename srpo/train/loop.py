@@ -149,6 +149,15 @@ class Trainer:
     def resume(self, path: Path | None = None) -> bool:
         return state.resume(self, path)
 
+    def run_artefacts(self) -> list[str]:
+        """What this run writes in its folder (a fresh run refuses another run's)."""
+        return state.run_artefacts(self.cfg)
+
+    def after_resume(self) -> None:
+        self.engine.update_weights()  # a rollout engine samples from the resumed weights
+        if self.overlap is not None:  # ... and so does the rollout copy (or: its recorded version)
+            self.overlap.sync(self.policies)
+
     @property
     def pending_episodes(self) -> list[EpisodeResult] | None:
         """The next step's batch, sampled during this step's update (``rollout.max_staleness``)."""

@@ -9,7 +9,10 @@ continue bit-identically (one intra-op thread).
 Each part owns its state (``state_dict()`` / ``load_state_dict()`` on the data cursor, the policy
 update, the overlapped rollout) and the :class:`~srpo.train.loop.Trainer` composes them
 (:meth:`~srpo.train.loop.Trainer.state_dict`); this module only claims the folder, verifies and
-reads checkpoints, and writes them.  Its functions are collectives under data parallelism (every
+reads checkpoints, and writes them — for any trainer with ``run_dir``, ``cfg``, ``backend``,
+``policies``, ``optimizers``, ``step``, ``logger``, ``state_dict()``/``load_state_dict()``,
+``run_artefacts()`` and ``after_resume()`` (the RL :class:`~srpo.train.loop.Trainer` and
+:class:`~srpo.train.supervised.SupervisedTrainer`).  Its functions are collectives under data parallelism (every
 rank calls them together).
 """
 
@@ -61,7 +64,7 @@ def claim_fresh(trainer) -> None:
     run_dir = trainer.run_dir
 
     def claim():
-        deleted = run_folder.claim(run_dir, run_artefacts(trainer.cfg), overwrite=trainer.overwrite)
+        deleted = run_folder.claim(run_dir, trainer.run_artefacts(), overwrite=trainer.overwrite)
         if deleted:
             log.warning("--overwrite: deleted the previous run's %s in %s", ", ".join(deleted), run_dir)
     on_rank0_agreed(trainer.backend, claim, RunDirError(f"rank 0 refused the run folder {run_dir}; see its message"))
@@ -71,8 +74,8 @@ def claim_fresh(trainer) -> None:
 def _adopt(trainer) -> None:
     """A resumed run owns its folder's run artefacts (``--resume`` says the folder is this run's)."""
     def adopt():
-        run_folder.refuse_links(trainer.run_dir, run_artefacts(trainer.cfg))
-        run_folder.record_owned(trainer.run_dir, run_folder.owned(trainer.run_dir) | set(run_artefacts(trainer.cfg)))
+        run_folder.refuse_links(trainer.run_dir, trainer.run_artefacts())
+        run_folder.record_owned(trainer.run_dir, run_folder.owned(trainer.run_dir) | set(trainer.run_artefacts()))
     on_rank0_agreed(trainer.backend, adopt, RunDirError(f"rank 0 refused the run folder {trainer.run_dir}"))
 
 
@@ -132,9 +135,7 @@ def resume(trainer, path: Path | None = None) -> bool:
             continue
         check_same_data(trainer, plain, candidate)
         trainer.load_state_dict({"tensors": tensors, "plain": plain})
-        trainer.engine.update_weights()  # a rollout engine samples from the resumed weights
-        if trainer.overlap is not None:  # ... and so does the rollout copy (or: its recorded version)
-            trainer.overlap.sync(trainer.policies)
+        trainer.after_resume()  # e.g. a rollout engine takes the resumed weights
         if problems:
             log.warning("resumed from the older checkpoint %s", candidate.name)
         trainer.logger.truncate_after(trainer.step)
