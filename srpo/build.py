@@ -265,12 +265,19 @@ def _check_capabilities(cfg: Config) -> None:
 
     engine_, backend_ = engine_capabilities(cfg.rollout.engine), backend_capabilities(cfg.train.parallel)
     r = cfg.rollout
+    device_type = cfg.run.device.split(":")[0]
+    for field, name, caps in (("rollout.engine", r.engine, engine_), ("train.parallel", cfg.train.parallel, backend_)):
+        if device_type not in caps.devices:
+            raise ConfigError(f"{field}: {name} runs on {', '.join(caps.devices)}, not on run.device: {cfg.run.device}")
+    if cfg.model.layout == "lora" and not engine_.supports_lora:
+        raise ConfigError(f"rollout.engine: {r.engine} does not serve LoRA adapters (model.layout: lora); use the "
+                          f"shared or separate layout, or another engine")
     if engine_.top_p_in_logprobs and any(o.top_p is not None and o.top_p < 1 for o in cfg.workflow.roles.values()):
         raise ConfigError(
             f"workflow.roles.<role>.top_p: below 1 with rollout.engine: {r.engine} the engine's behaviour log-probs "
             f"include its top-p renormalisation and the trainer's do not — the logged mismatch and train.tis_cap "
             f"would be biased; sample with top_p 1 on this engine, or use rollout.engine: hf")
-    if r.sleep_during_update and cfg.run.device.split(":")[0] not in engine_.sleeps_on:
+    if r.sleep_during_update and device_type not in engine_.sleeps_on:
         where = ", ".join(engine_.sleeps_on) or "no device"
         raise ConfigError(f"rollout.sleep_during_update: the {r.engine} engine releases its memory during updates on "
                           f"{where} (run.device: {cfg.run.device}); vLLM's sleep mode needs a CUDA device — the CPU "

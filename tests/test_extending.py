@@ -345,6 +345,27 @@ def test_recipe_an_engine_a_backend_and_a_tracker_train_by_import_path(mypkg, tm
         load_config(None, tiny(tmp_path, "train.parallel=tp"))
 
 
+def test_config_checks_ask_an_engine_s_capabilities():
+    """An engine declaring it serves no LoRA and runs on CUDA only is refused on a lora layout and
+    on the CPU — by what it declares, not by its name."""
+    from srpo.rollout.engine import ENGINES, register_engine
+
+    @register_engine("cuda_only_full_models", supports_lora=False, devices=("cuda",))
+    class CudaOnly:
+        @classmethod
+        def from_config(cls, cfg, policies):
+            raise AssertionError("never built: the config is refused first")
+
+    try:
+        with pytest.raises(ConfigError, match="rollout.engine: cuda_only_full_models runs on cuda, not on run.device: cpu"):
+            load_config(None, ["rollout.engine=cuda_only_full_models"])
+        with pytest.raises(ConfigError, match="does not serve LoRA adapters"):
+            load_config(None, ["rollout.engine=cuda_only_full_models", "run.device=cuda", "model.layout=lora"])
+    finally:
+        ENGINES._objects.pop("cuda_only_full_models")
+        ENGINES._meta.pop("cuda_only_full_models")
+
+
 def test_registries_list_names_and_reject_unknown_ones_with_the_valid_ones():
     from srpo.methods import METHODS
     from srpo.objective import LOSSES, LossInputs, update_unit

@@ -51,6 +51,8 @@ class BackendCapabilities:
     #: Parameters are sharded across ranks: models are built on the CPU (each unit's shard then
     #: moves to the device), and a sampler on the trainer's weights would need a full copy per rank.
     shards_parameters: bool = False
+    #: The device types it runs on (``run.device``).
+    devices: tuple[str, ...] = ("cpu", "cuda")
 
 
 def _adopt_backend(obj: Any) -> dict:

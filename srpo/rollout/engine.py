@@ -74,6 +74,10 @@ class EngineCapabilities:
     top_p_in_logprobs: bool = False
     #: Devices (``cuda``, ``cpu``) where ``release()`` gives memory back (``rollout.sleep_during_update``).
     sleeps_on: tuple[str, ...] = ()
+    #: It serves ``model.layout: lora`` (one base, an adapter per policy).
+    supports_lora: bool = True
+    #: The device types it runs on (``run.device``).
+    devices: tuple[str, ...] = ("cpu", "cuda")
     #: ``(module, pip requirement)`` the engine needs installed, checked before any model loads.
     requires: tuple[str, str] | None = None
     #: Said after the pip command when ``requires`` is missing (e.g. where a CPU build comes from).
