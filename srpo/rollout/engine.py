@@ -61,6 +61,9 @@ class RolloutEngine(Protocol):
         """Release what the engine holds (processes, memory)."""
         ...
 
+    # Optional: ``state_dict()`` / ``load_state_dict(state)`` for an engine with state a resumed
+    # run needs (vLLM: its sync count); the trainer's checkpoint holds it under ``engine``.
+
 
 @dataclass(frozen=True)
 class EngineCapabilities:

@@ -509,6 +509,14 @@ class VLLMRollout:
             shutil.rmtree(staging, ignore_errors=True)
         self.update_weights()
 
+    def state_dict(self) -> dict:
+        """How many syncs it has made: a resumed run probes the engine at the same syncs as an
+        uninterrupted one (``rollout.check_sync_every``)."""
+        return {"syncs": self.syncs}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.syncs = int(state.get("syncs", self.syncs))
+
     @classmethod
     def from_config(cls, cfg, policies) -> "VLLMRollout":
         """The engine of a run's config (``rollout.*``), on ``policies``' current weights."""

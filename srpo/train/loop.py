@@ -189,6 +189,7 @@ class Trainer:
                 "totals": dict(self.totals),
                 "nonfinite_in_a_row": update["nonfinite_in_a_row"],
                 "best": self.best,
+                "engine": self.engine.state_dict() if hasattr(self.engine, "state_dict") else {},
             },
         }
 
@@ -218,6 +219,8 @@ class Trainer:
         self.totals.clear()
         self.totals.update(plain["totals"])
         self.best = plain.get("best")
+        if plain.get("engine") and hasattr(self.engine, "load_state_dict"):
+            self.engine.load_state_dict(plain["engine"])
 
     # -- 1. tasks ------------------------------------------------------------------------------------
     def next_tasks(self):
