@@ -61,6 +61,36 @@ def import_object(path: str) -> Any:
     return obj
 
 
+def parts_registry(what: str, capabilities_type: type, needs: str) -> tuple["Registry", Callable]:
+    """A registry of the classes a run builds with ``from_config`` (rollout engines, parallel
+    backends), each registered with an instance of ``capabilities_type`` that the config checks ask
+    instead of its name.  Returns ``(registry, register)``: ``@register(*names, **capabilities)``
+    registers a class (and sets its ``capabilities``); a class named by import path without it is
+    accepted with its own ``capabilities`` attribute, or the defaults.  ``needs`` says, in an
+    error, what such a class must have."""
+    def adopt(obj: Any) -> dict:
+        if not isinstance(obj, type) or not callable(getattr(obj, "from_config", None)):
+            raise TypeError(f"expected a {what} class with {needs}")
+        caps = getattr(obj, "capabilities", capabilities_type())
+        if not isinstance(caps, capabilities_type):
+            raise TypeError(f"its capabilities attribute must be a {capabilities_type.__module__}."
+                            f"{capabilities_type.__qualname__}")
+        return {"capabilities": caps}
+
+    registry: Registry = Registry(what, adopt=adopt)
+
+    def register(*names: str, **capabilities: Any):
+        caps = capabilities_type(**capabilities)
+
+        def decorate(cls):
+            cls.capabilities = caps
+            for name in names:
+                registry.register(name, cls, capabilities=caps)
+            return cls
+        return decorate
+    return registry, register
+
+
 class Registry(Mapping[str, T], Generic[T]):
     """name → object, each with a metadata dict; names may be import paths (see the module doc).
 

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from srpo.registry import Registry
+from srpo.registry import parts_registry
 
 log = logging.getLogger(__name__)
 
@@ -55,29 +55,10 @@ class BackendCapabilities:
     devices: tuple[str, ...] = ("cpu", "cuda")
 
 
-def _adopt_backend(obj: Any) -> dict:
-    if not isinstance(obj, type) or not callable(getattr(obj, "from_config", None)):
-        raise TypeError("expected a parallel backend class with from_config(cfg) (a subclass of "
-                        "srpo.parallel.base.SingleProcess)")
-    caps = getattr(obj, "capabilities", BackendCapabilities())
-    if not isinstance(caps, BackendCapabilities):
-        raise TypeError("its capabilities attribute must be an srpo.parallel.base.BackendCapabilities")
-    return {"capabilities": caps}
-
-
-#: name → backend class (with ``from_config(cfg)``), each with its ``capabilities``.
-BACKENDS: Registry[type] = Registry("parallel backend", adopt=_adopt_backend)
-
-
-def register_backend(name: str, **capabilities: Any):
-    """Class decorator: register a backend under ``name`` with :class:`BackendCapabilities`."""
-    caps = BackendCapabilities(**capabilities)
-
-    def register(cls):
-        cls.capabilities = caps
-        BACKENDS.register(name, cls, capabilities=caps)
-        return cls
-    return register
+#: name → parallel backend class (with ``from_config``), each with its ``capabilities``;
+#: ``@register_backend(*names, **capabilities)`` adds one (:func:`srpo.registry.parts_registry`).
+BACKENDS, register_backend = parts_registry(
+    "parallel backend", BackendCapabilities, "from_config(cfg) (a subclass of srpo.parallel.base.SingleProcess)")
 
 
 def backend_capabilities(name: str) -> BackendCapabilities:

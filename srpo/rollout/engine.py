@@ -22,11 +22,11 @@ A new engine (an SGLang server, a remote pool) implements the four methods of
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
-from srpo.registry import Registry
+from srpo.registry import parts_registry
 
 from srpo.policies.sampling import GenerationRequest
 from srpo.policies.sampling import Sample
@@ -87,32 +87,10 @@ class EngineCapabilities:
     install_note: str = ""
 
 
-def _adopt_engine(obj: Any) -> dict:
-    """An engine class named by import path without ``@register_engine``: its class attribute
-    ``capabilities`` (default: an in-process sampler on the trainer's weights)."""
-    if not isinstance(obj, type) or not callable(getattr(obj, "from_config", None)):
-        raise TypeError("expected a rollout engine class with from_config(cfg, policies) "
-                        "(see srpo.rollout.engine.RolloutEngine)")
-    caps = getattr(obj, "capabilities", EngineCapabilities())
-    if not isinstance(caps, EngineCapabilities):
-        raise TypeError("its capabilities attribute must be an srpo.rollout.engine.EngineCapabilities")
-    return {"capabilities": caps}
-
-
-#: name → engine class (with ``from_config(cfg, policies)``), each with its ``capabilities``.
-ENGINES: Registry[type] = Registry("rollout engine", adopt=_adopt_engine)
-
-
-def register_engine(*names: str, **capabilities: Any):
-    """Class decorator: register an engine under ``names`` with :class:`EngineCapabilities`."""
-    caps = EngineCapabilities(**capabilities)
-
-    def register(cls):
-        cls.capabilities = caps
-        for name in names:
-            ENGINES.register(name, cls, capabilities=caps)
-        return cls
-    return register
+#: name → rollout engine class (with ``from_config``), each with its ``capabilities``;
+#: ``@register_engine(*names, **capabilities)`` adds one (:func:`srpo.registry.parts_registry`).
+ENGINES, register_engine = parts_registry(
+    "rollout engine", EngineCapabilities, "from_config(cfg, policies) (see srpo.rollout.engine.RolloutEngine)")
 
 
 def engine_capabilities(name: str) -> EngineCapabilities:

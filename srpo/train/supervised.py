@@ -27,6 +27,7 @@ from srpo.data import DataCursor
 from srpo.runs import preemption
 from srpo.runs.checkpoint import rng_state, set_rng_state
 from srpo.train import memory, state
+from srpo.train.update import load_optimization_state, optimization_state
 
 log = logging.getLogger(__name__)
 
@@ -104,20 +105,13 @@ class SupervisedTrainer:
 
     def state_dict(self) -> dict[str, dict[str, Any]]:
         rng_plain, rng_tensors = rng_state()
-        return {"tensors": {"optimizers": {} if self.backend.sharded_optimizer_state else
-                            {pid: o.state_dict() for pid, o in self.optimizers.items()},
-                            "schedulers": {pid: s.state_dict() for pid, s in self.schedulers.items()},
-                            "rng": rng_tensors},
+        return {"tensors": {**optimization_state(self.optimizers, self.schedulers, self.backend), "rng": rng_tensors},
                 "plain": {"step": self.step, "data": self.data.state_dict(), "rng": rng_plain,
                           "data_fingerprint": self.data_fingerprint}}
 
     def load_state_dict(self, checkpoint: dict[str, dict[str, Any]]) -> None:
         tensors, plain = checkpoint["tensors"], checkpoint["plain"]
-        if not self.backend.sharded_optimizer_state:
-            for pid, o in self.optimizers.items():
-                o.load_state_dict(tensors["optimizers"][pid])
-        for pid, s in self.schedulers.items():
-            s.load_state_dict(tensors["schedulers"][pid])
+        load_optimization_state(self.optimizers, self.schedulers, self.backend, tensors)
         self.step = plain["step"]
         self.data.load_state_dict(plain["data"])
         set_rng_state(plain["rng"], tensors["rng"])

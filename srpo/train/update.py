@@ -52,19 +52,13 @@ class PolicyUpdate:
 
     # -- its state in a checkpoint -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The optimizers (left out under a backend that shards them: it saves its shards itself),
-        the schedulers and the count of non-finite steps in a row."""
-        sharded = self.backend.sharded_optimizer_state
-        return {"optimizers": {} if sharded else {pid: o.state_dict() for pid, o in self.optimizers.items()},
-                "schedulers": {pid: s.state_dict() for pid, s in self.schedulers.items()},
+        """The optimizers and schedulers (:func:`optimization_state`) and the count of non-finite
+        steps in a row."""
+        return {**optimization_state(self.optimizers, self.schedulers, self.backend),
                 "nonfinite_in_a_row": self.nonfinite_in_a_row}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not self.backend.sharded_optimizer_state:
-            for pid, o in self.optimizers.items():
-                o.load_state_dict(state["optimizers"][pid])
-        for pid, s in self.schedulers.items():
-            s.load_state_dict(state["schedulers"][pid])
+        load_optimization_state(self.optimizers, self.schedulers, self.backend, state)
         self.nonfinite_in_a_row = state["nonfinite_in_a_row"]
 
     @property
@@ -297,3 +291,19 @@ class PolicyUpdate:
             opt.zero_grad(set_to_none=True)
             self.policies.bump_version(pid)
         return 0
+
+
+def optimization_state(optimizers: dict, schedulers: dict, backend) -> dict[str, dict]:
+    """``{"optimizers": ..., "schedulers": ...}`` by policy id; the optimizers are left out under a
+    backend that shards them (it saves its shards itself, ``save_sharded``)."""
+    sharded = backend.sharded_optimizer_state
+    return {"optimizers": {} if sharded else {pid: o.state_dict() for pid, o in optimizers.items()},
+            "schedulers": {pid: s.state_dict() for pid, s in schedulers.items()}}
+
+
+def load_optimization_state(optimizers: dict, schedulers: dict, backend, state: dict[str, dict]) -> None:
+    if not backend.sharded_optimizer_state:
+        for pid, o in optimizers.items():
+            o.load_state_dict(state["optimizers"][pid])
+    for pid, s in schedulers.items():
+        s.load_state_dict(state["schedulers"][pid])
