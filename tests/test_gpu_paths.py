@@ -401,7 +401,10 @@ def test_a_silent_rank_is_named_before_the_nccl_watchdog_could_abort(capsys):
     for more than silence_report_s (half the collective timeout, at most 30 s), once."""
     from srpo.parallel.base import DataParallel
 
-    class Store(dict):
+    class Store(dict):  # a torch.distributed.Store's check/get, over a dict
+        def check(self, keys):
+            return all(k in self for k in keys)
+
         def get(self, key):
             return self[key].encode()
 

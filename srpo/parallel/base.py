@@ -209,6 +209,18 @@ class DataParallel(SingleProcess):
             self._beat_thread.join(timeout=5)
             self._beat_stop = None
 
+    def _last_beat(self, rank: int) -> float | None:
+        """When ``rank`` last beat, or None.  ``check`` first: a store's ``get`` of a key not yet
+        written blocks until the store's timeout, and a heartbeat thread blocked inside the store
+        when the interpreter exits can abort the process after a run that succeeded."""
+        key = f"srpo/heartbeat/{rank}"
+        try:
+            if not self._store.check([key]):
+                return None
+            return float(self._store.get(key).decode())
+        except Exception:  # noqa: BLE001 — the store is gone: the job is ending
+            return None
+
     def report_silent_peers(self, now: float) -> list[int]:
         """Name, once each, the peers whose heartbeat is older than :attr:`silence_report_s` (an
         error line on stderr and in the log); a peer that beats again may be named again later.
@@ -217,9 +229,8 @@ class DataParallel(SingleProcess):
         for r in range(self.world):
             if r == self.rank:
                 continue
-            try:
-                last = float(self._store.get(f"srpo/heartbeat/{r}").decode())
-            except Exception:  # noqa: BLE001 — not written yet, or the store is gone
+            last = self._last_beat(r)
+            if last is None:  # not written yet, or the store is gone
                 continue
             if now - last <= self.silence_report_s:
                 self._reported.discard(r)
@@ -241,9 +252,8 @@ class DataParallel(SingleProcess):
             return []
         now, silent = time.time(), []
         for r in range(self.world):
-            try:
-                last = float(self._store.get(f"srpo/heartbeat/{r}").decode())
-            except Exception:  # noqa: BLE001 — never written, or the store is unreachable
+            last = self._last_beat(r)
+            if last is None:  # never written, or the store is unreachable
                 continue
             if now - last > 5 * self.HEARTBEAT_S:
                 silent.append(r)
