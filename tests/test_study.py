@@ -208,3 +208,79 @@ def test_a_torn_cell_record_is_named_set_aside_and_the_cell_run_again(tmp_path):
     assert not cell.exists() and (cell.parent / "cell.json.unreadable").is_file()
     cell.write_text(json.dumps({"label": "srpo", "eval": {"macro": {}}}))
     assert read_cell(cell)["label"] == "srpo"
+
+
+def test_each_cell_runs_in_its_own_process_and_a_cell_process_that_dies_is_named(tmp_path, monkeypatch):
+    """cell_process (the default): a cell's process that is killed (here: its workflow kills it)
+    ends the study with a message naming the cell and the exit code — not a hang — and the study's
+    own process never trains (its Trainer is gone)."""
+
+    (tmp_path / "killer_team.py").write_text(
+        "import os, signal\n"
+        "from dataclasses import dataclass\n"
+        "from srpo.workflows import Workflow\n\n\n"
+        "@dataclass\n"
+        "class Killer(Workflow):\n"
+        "    name = 'killer'\n\n"
+        "    def roles(self):\n"
+        "        return ['solver']\n\n"
+        "    async def run(self, ctx, task):\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump({
+        "run": {"steps": 1}, "model": {"name": "tiny-llama"}, "workflow": {"name": "killer_team:Killer"},
+        "task": {"kind": "math", "train": {"source": "synthetic_arithmetic", "level": 0, "n": 8}},
+        "train": {"tasks_per_step": 2, "group_size": 2}, "checkpoint": {"every": 0}, "log": {"tensorboard": False}}))
+    study = tmp_path / "study.yaml"
+    study.write_text(yaml.safe_dump({
+        "output_dir": str(tmp_path / "out"), "base": "base.yaml", "seeds": [0],
+        "axes": {"method": [{"label": "srpo", "set": {"method.name": "srpo"}}]},
+        "eval": {"k": 1, "datasets": [{"source": "synthetic_arithmetic", "level": 0, "n": 2, "seed": 9}]}}))
+    import srpo.train
+
+    monkeypatch.setattr(srpo.train, "Trainer", None)  # the study's own process never trains
+    with pytest.raises(RuntimeError, match=r"cell srpo seed 0: its process ended with exit code -9 without a result"):
+        run_study(study, progress=False)
+
+
+@pytest.mark.slow
+def test_a_preempted_study_stops_its_cell_s_process_at_a_checkpoint_and_continues(tmp_path):
+    """SIGTERM to `srpo study` alone (not its process group): the signal is passed on to the cell's
+    process, which checkpoints at its step's end; the study exits 143; run again, the cell resumes
+    from that checkpoint and finishes."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump({
+        "run": {"steps": 60, "threads": 1}, "model": {"name": "tiny-llama"},
+        "workflow": {"name": "single", "max_new_tokens": 4},
+        "task": {"kind": "math", "train": {"source": "synthetic_arithmetic", "level": 0, "n": 8}},
+        "train": {"tasks_per_step": 2, "group_size": 2}, "checkpoint": {"every": 0}, "log": {"tensorboard": False}}))
+    study = tmp_path / "study.yaml"
+    study.write_text(yaml.safe_dump({
+        "output_dir": str(tmp_path / "out"), "base": "base.yaml", "seeds": [0],
+        "axes": {"method": [{"label": "srpo", "set": {"method.name": "srpo"}}]},
+        "eval": {"k": 1, "datasets": [{"source": "synthetic_arithmetic", "level": 0, "n": 2, "seed": 9}]}}))
+    srpo_cli = [sys.executable, "-m", "srpo.apps.cli", "study", "--config", str(study)]
+    metrics = tmp_path / "out" / "srpo" / "seed0" / "metrics.jsonl"
+    proc = subprocess.Popen(srpo_cli, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+        time.sleep(0.2)
+    assert metrics.is_file(), "the cell never started training"
+    os.kill(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    stopped_at = len(metrics.read_text().splitlines())
+    assert proc.returncode == 143, f"exit {proc.returncode} after {stopped_at} steps\n{out[-1000:]}\n{err[-3000:]}"
+    assert (tmp_path / "out" / "srpo" / "seed0" / "checkpoints" / "latest").exists()
+    assert 2 <= stopped_at < 60
+    done = subprocess.run([*srpo_cli[:3], "-v", *srpo_cli[3:]], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"at step {stopped_at}" in done.stderr and "resumed from" in done.stderr  # the cell's process logs it
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == list(range(1, 61)), "every step once"

@@ -89,6 +89,11 @@ def install(grace_s: float = 120.0) -> bool:
     return True
 
 
+def grace_s() -> float:
+    """The grace period :func:`install` was given (0: none, or not installed)."""
+    return _state.grace_s
+
+
 def requested() -> str | None:
     """The preemption signal that arrived (None: none)."""
     return _state.requested

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import shutil
 import time
 from pathlib import Path
@@ -84,24 +85,39 @@ def read_cell(path: Path) -> dict | None:
         return None
 
 
+def _recipe(spec: dict, cell: dict, train: bool) -> dict:
+    """What a finished cell was run with: reusing it under a changed recipe or evaluation would
+    silently mix old and new results in one table.  The base config is recorded by content, not
+    path, so that a moved or renamed repository still reuses its finished cells."""
+    return {"overrides": cell["overrides"], "base_config": spec["base_config"], "eval": spec["eval"],
+            "train": train, "eval_splits": eval_splits(spec)}
+
+
+def finished_cell(spec: dict, cell: dict, root: Path, train: bool = True) -> dict | None:
+    """The cell's record if it finished under this recipe; None if it has not finished; a
+    :class:`ConfigError` if it finished under another."""
+    done = root / cell["label"] / f"seed{cell['seed']}" / "cell.json"
+    record = read_cell(done)
+    if record is not None:
+        recipe = _recipe(spec, cell, train)
+        if not _same_recipe(record.get("recipe", recipe), recipe):
+            raise ConfigError(
+                f"{done}: this cell finished under a different recipe or evaluation than the study file now "
+                f"asks for; use a new output_dir (or delete the cell's folder to re-run it)")
+    return record
+
+
 def run_cell(spec: dict, cell: dict, root: Path, progress: bool = True, train: bool = True) -> dict:
-    """Train (unless ``train`` is False: the untrained reference) and evaluate one cell."""
+    """Train (unless ``train`` is False: the untrained reference) and evaluate one cell, in this
+    process (:func:`run_cell_in_process`: in a fresh one)."""
     from srpo.evaluation import evaluate
     from srpo.train import Trainer
 
     run_dir = root / cell["label"] / f"seed{cell['seed']}"
     done = run_dir / "cell.json"
-    # What a finished cell was run with: reusing it under a changed recipe or evaluation would
-    # silently mix old and new results in one table.  The base config is recorded by content, not
-    # path, so that a moved or renamed repository still reuses its finished cells.
-    recipe = {"overrides": cell["overrides"], "base_config": spec["base_config"], "eval": spec["eval"],
-              "train": train, "eval_splits": eval_splits(spec)}
-    record = read_cell(done)
+    recipe = _recipe(spec, cell, train)
+    record = finished_cell(spec, cell, root, train)
     if record is not None:
-        if not _same_recipe(record.get("recipe", recipe), recipe):
-            raise ConfigError(
-                f"{done}: this cell finished under a different recipe or evaluation than the study file now "
-                f"asks for; use a new output_dir (or delete the cell's folder to re-run it)")
         return record
     cfg = cell_config(spec, cell, run_dir)
     started = time.perf_counter()
@@ -124,10 +140,9 @@ def run_cell(spec: dict, cell: dict, root: Path, progress: bool = True, train: b
                            engine=trainer.engine if trainer is not None else None)
     if trainer is not None:
         trainer.close()
-    # A long study runs many cells in one process: drop this cell's model and optimizer now (the
-    # trainer, runtime and policies reference each other, so only the cycle collector frees them)
-    # and hand the freed heap back to the OS.  A study process without this was seen at 6.5 GB and
-    # half its time in the kernel after ~13 cells; that this was the cause is not yet measured.
+    # With cell_process: false many cells share this process: drop this cell's model and optimizer
+    # now (the trainer, runtime and policies reference each other, so only the cycle collector
+    # frees them) and hand the freed heap back to the OS (bench_study_memory.py measures the rest).
     del trainer, team
     _release_memory()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -141,6 +156,78 @@ def run_cell(spec: dict, cell: dict, root: Path, progress: bool = True, train: b
         # Only the checkpoints its training recorded writing (srpo.runs.run_dir): never a folder it did not make.
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     return record
+
+
+def _cell_child(conn, spec: dict, cell: dict, root: str, progress: bool, train: bool, log_level: int,
+                grace_s: float) -> None:
+    """The body of a cell's own process: run the cell, send back its record or what stopped it."""
+    import traceback
+
+    from srpo.runs import preemption
+
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    for noisy in ("bm25s", "transformers", "peft"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    preemption.install(grace_s)
+    try:
+        conn.send(("ok", run_cell(spec, cell, Path(root), progress, train)))
+    except preemption.Preempted as err:
+        conn.send(("preempted", str(err)))
+    except BaseException as err:  # noqa: BLE001 — every failure goes back to the study's process
+        text = traceback.format_exc()
+        try:
+            conn.send(("error", err, text))
+        except Exception:  # noqa: BLE001 — an exception that does not pickle: its type and message
+            conn.send(("error", RuntimeError(f"{type(err).__name__}: {err}"), text))
+    finally:
+        conn.close()
+
+
+def run_cell_in_process(spec: dict, cell: dict, root: Path, progress: bool = True, train: bool = True) -> dict:
+    """:func:`run_cell` in a fresh process: what the cell allocates (models, optimizer state, the
+    allocator's cached heap) goes back to the OS when it ends, so a study's own process stays flat.
+
+    A preemption signal this process gets is passed on (the cell checkpoints at its step's end and
+    the study stops, :class:`~srpo.runs.preemption.Preempted`); an error in the cell is raised here
+    as it was raised there (a config or data error stays one); a process that dies without a word
+    (killed, out of memory) is named with its exit code."""
+    import multiprocessing
+    import signal
+
+    from srpo.runs import preemption
+
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process holding threads and models
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_cell_child, name=f"srpo-cell-{cell['label']}-seed{cell['seed']}",
+                        args=(send, spec, cell, str(root), progress, train, logging.getLogger().level,
+                              preemption.grace_s()))
+    child.start()
+    send.close()
+    forwarded = False
+    try:
+        while child.is_alive() and not receive.poll(0.5):
+            if preemption.requested() and not forwarded:  # the cell saves at its next step end
+                os.kill(child.pid, signal.SIGTERM)
+                forwarded = True
+        message = receive.recv() if receive.poll(0) or child.is_alive() else None
+    except EOFError:
+        message = None
+    finally:
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
+            child.join()
+    if message is None:
+        raise RuntimeError(f"cell {cell['label']} seed {cell['seed']}: its process ended with exit code "
+                           f"{child.exitcode} without a result (killed, or out of memory?); run the study again "
+                           f"to continue it from its last checkpoint")
+    if message[0] == "ok":
+        return message[1]
+    if message[0] == "preempted":
+        raise preemption.Preempted(message[1])
+    err, text = message[1], message[2]
+    log.debug("cell %s seed %s failed in its process:\n%s", cell["label"], cell["seed"], text)
+    raise err
 
 
 def _stats(values):
@@ -202,6 +289,15 @@ def run_study(path: str | Path, progress: bool = True, only: int | None = None,
                     "be a large share of the seed-to-seed spread (scripts/plan_seeds.py reports it)",
                     MIN_HELDOUT_PROBLEMS, ", ".join(f"{k} ({v})" for k, v in small.items()))
     todo = cells(spec)
+
+    def run(spec, cell, root, progress, train=True):
+        """A finished cell is reused here; an unfinished one runs in its own process (or here)."""
+        record = finished_cell(spec, cell, root, train)
+        if record is not None:
+            return record
+        runner = run_cell_in_process if spec.get("cell_process", True) else run_cell
+        return runner(spec, cell, root, progress, train)
+
     if index == 1:  # the untrained starting points: one shard evaluates them
         if spec.get("eval_untrained"):
             # The starting point of every distinct workflow, evaluated once without training.
@@ -212,10 +308,10 @@ def run_study(path: str | Path, progress: bool = True, only: int | None = None,
                 if key in seen:
                     continue
                 seen.add(key)
-                run_cell(spec, {**cell, "label": f"untrained ({cell['label']} workflow)", "seed": spec["seeds"][0]},
-                         root, progress, train=False)
+                run(spec, {**cell, "label": f"untrained ({cell['label']} workflow)", "seed": spec["seeds"][0]},
+                    root, progress, train=False)
         for ref in references(spec):
-            run_cell(spec, ref, root, progress, train=False)
+            run(spec, ref, root, progress, train=False)
     selected = todo[:only] if only else todo
     for i, cell in enumerate(selected):
         if i % count != index - 1:
@@ -227,7 +323,7 @@ def run_study(path: str | Path, progress: bool = True, only: int | None = None,
                                        f"run it again to continue")
         if progress:
             print(f"[{i + 1}/{len(todo)}] {cell['label']} seed {cell['seed']}", flush=True)
-        run_cell(spec, cell, root, progress)
+        run(spec, cell, root, progress)
         write_results(root, finished_records(spec, root), spec)
     records = finished_records(spec, root)
     if records:

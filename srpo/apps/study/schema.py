@@ -87,6 +87,10 @@ class StudySpec(Section):
     the study's overrides, then its own ``set``, and is labelled ``untrained (<label>)``."""
     keep_checkpoints: bool = True
     """false: delete a cell's checkpoints once it is evaluated (cell.json and the logs stay)."""
+    cell_process: bool = True
+    """Run each cell in a fresh process, so that everything a cell allocates goes back to the OS
+    when it ends and a long study's process stays flat (benchmarks/bench_study_memory.py); false:
+    every cell in the study's own process."""
     baseline: str = ""
     """A cell label (e.g. grpo): every other cell's held-out avg@k and pass@k are compared with it
     seed by seed — paired differences, mean, SE, 95% t interval, t and exact sign-flip p, and
