@@ -127,8 +127,36 @@ def resume_overrides(run_dir: str, steps: int = 2) -> list[str]:
             "checkpoint.every=1", "log.tensorboard=false", "train.parallel=fsdp", "train.skip_zero_advantage=false"]
 
 
+def sft(out_path: str, run_dir: str, parallel: str) -> None:
+    """Two SFT steps on fixed examples of three roles (3 a step: under two ranks one takes 2, the
+    other 1); rank 0 writes the full weights."""
+    from srpo.train.supervised import Example, SupervisedTrainer
+
+    start()
+    cfg = load_config(None, [
+        "model.name=tiny-llama", "workflow.name=parallel_aggregate", "workflow.options={num_workers: 2}",
+        "train.optimizer=sgd", "sft.lr=0.5", "sft.batch_size=3", "sft.epochs=1", "checkpoint.every=0",
+        "log.tensorboard=false", f"train.parallel={parallel}", "sft.data=unused"])
+    from srpo import build
+
+    team = build.team(cfg)
+    g = torch.Generator().manual_seed(0)
+    roles = ["worker_1", "worker_2", "aggregator"]
+    examples = [Example(roles[i % 3], torch.randint(3, 200, (5 + i,), generator=g).tolist(),
+                        torch.randint(3, 200, (2 + i % 4,), generator=g).tolist()) for i in range(6)]
+    trainer = SupervisedTrainer(cfg, examples, team.policies, run_dir, artefacts=(), progress=False)
+    before = full_weights(trainer)
+    trainer.fit()
+    weights = full_weights(trainer)
+    if trainer.backend.rank == 0:
+        torch.save({"before": before, "after": weights}, out_path)
+    trainer.backend.close()
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "update":
+    if sys.argv[1] == "sft":
+        sft(*sys.argv[2:5])
+    elif sys.argv[1] == "update":
         update(*sys.argv[2:])
     elif sys.argv[1] == "update_by_policy":
         update_by_policy(*sys.argv[2:6])

@@ -239,3 +239,21 @@ def test_fsdp_bf16_keeps_the_sampling_temperature_in_float32():
     per_row_gap, rounded_gap = map(float, done.stdout.split()[-2:])
     assert rounded_gap > 1e-5, "the probe must be able to see bf16's rounding of the temperature"
     assert per_row_gap == 0.0
+
+
+def test_sft_under_two_ddp_and_two_fsdp_processes_trains_like_one_process(tmp_path):
+    """srpo sft on RL training's backends: each rank takes its share of every batch (here 2 and 1
+    examples), the loss is the global batch's mean token loss, gradients are reduced — the weights
+    after two steps match one process's."""
+    one, ddp, fsdp = tmp_path / "one.pt", tmp_path / "ddp.pt", tmp_path / "fsdp.pt"
+    check(subprocess.run([sys.executable, str(WORKER), "sft", str(one), str(tmp_path / "r0"), "ddp"], env=ENV,
+                         capture_output=True, text=True, timeout=600))
+    check(torchrun(2, str(WORKER), "sft", str(ddp), str(tmp_path / "r1"), "ddp"))
+    check(torchrun(2, str(WORKER), "sft", str(fsdp), str(tmp_path / "r2"), "fsdp"))
+    a, b, c = (torch.load(p, weights_only=True)["after"] for p in (one, ddp, fsdp))
+    before = torch.load(one, weights_only=True)["before"]
+    assert any(not torch.equal(a[k], before[k]) for k in a), "the fine-tuning moved the weights"
+    assert a.keys() == b.keys() == c.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-5, rtol=1e-4), k
+        assert torch.allclose(a[k], c[k], atol=1e-5, rtol=1e-4), k
