@@ -8,7 +8,10 @@ workflow with the `grpo` loss — as configured by default, and again with
 those whose advantage is exactly 0 and whose gradient is therefore 0).  TRL runs
 `GRPOTrainer(use_cpu=True, loss_type="grpo", bf16=True, cache_implementation="static")`, the
 fastest CPU setting found.  Each side runs in its own subprocess, alternately, `--rounds` times;
-the first step of every run is a warm-up and is not counted.  Needs `pip install trl==1.16.0`
+the first step of every run is a warm-up and is not counted.  Reported per side: median seconds
+per step, seconds per completion token (the step's time over the tokens it generated — the sides'
+completions differ in length), and the peak resident memory of its process (``ru_maxrss``: model,
+optimizer, activations, allocator caches), each against TRL's.  Needs `pip install trl==1.16.0`
 (not a dependency of srpo).
 
     python benchmarks/bench_vs_trl.py --steps 8 --rounds 2 --threads 2
@@ -141,7 +144,10 @@ def main() -> None:
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if args.child:
+        import resource
+
         res = SIDES[args.child][1](args.steps, args.threads)
+        res["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
         print("RESULT " + json.dumps(res))
         return
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
@@ -166,25 +172,40 @@ def main() -> None:
         steps = [s for r in rs for s in r["step_s"][1:]]  # drop each run's warm-up step
         tokens = [t for r in rs for t in r["completion_tokens"]]
         rewards = [x for r in rs for x in r["reward"]]
+        # Seconds per completion token, run by run: the median step (warm-up dropped) over the tokens
+        # a step's PROMPTS_PER_STEP × SAMPLES completions hold on average in that run.
+        per_token = [statistics.median(r["step_s"][1:]) / (statistics.mean(r["completion_tokens"]) * PROMPTS_PER_STEP
+                                                            * SAMPLES) for r in rs if r["completion_tokens"]]
         summary[side] = {"median_step_s": statistics.median(steps), "steps_counted": len(steps),
+                         "median_s_per_token": statistics.median(per_token) if per_token else float("nan"),
+                         "peak_rss_gb": statistics.median(r["peak_rss_gb"] for r in rs),
                          "mean_completion_tokens": statistics.mean(tokens) if tokens else float("nan"),
                          "mean_reward": statistics.mean(rewards) if rewards else float("nan")}
         if "zero_advantage_skipped" in rs[0]:
             skipped = [x for r in rs for x in r["zero_advantage_skipped"]]
             summary[side]["events_skipped_fraction"] = sum(skipped) / (len(skipped) * PROMPTS_PER_STEP * SAMPLES)
-    ratios = {side: summary["trl"]["median_step_s"] / summary[side]["median_step_s"] for side in SIDES if side != "trl"}
+    trl = summary["trl"]
+    ratios = {side: trl["median_step_s"] / summary[side]["median_step_s"] for side in SIDES if side != "trl"}
+    token_ratios = {side: trl["median_s_per_token"] / summary[side]["median_s_per_token"] for side in SIDES
+                    if side != "trl"}
+    memory = {side: summary[side]["peak_rss_gb"] / trl["peak_rss_gb"] for side in SIDES if side != "trl"}
     print(f"\ntorch threads {args.threads}; {os.cpu_count()} CPUs; {args.rounds} rounds × {args.steps} steps each\n")
-    print("| trainer | median s/step | TRL / this | steps counted | mean completion tokens | mean reward "
-          "| events skipped (advantage 0) |\n|---|---:|---:|---:|---:|---:|---:|")
+    print("| trainer | median s/step | TRL / this | ms per completion token | TRL / this | peak RSS (GB) "
+          "| this / TRL | steps counted | mean completion tokens | mean reward | events skipped (advantage 0) |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for side, (name, _) in SIDES.items():
         s = summary[side]
         skipped = f"{100 * s['events_skipped_fraction']:.0f} %" if "events_skipped_fraction" in s else "—"
         ratio = f"{ratios[side]:.2f}×" if side in ratios else "1"
-        print(f"| {name} | {s['median_step_s']:.1f} | {ratio} | {s['steps_counted']} | "
-              f"{s['mean_completion_tokens']:.1f} | {s['mean_reward']:.3f} | {skipped} |")
+        token_ratio = f"{token_ratios[side]:.2f}×" if side in token_ratios else "1"
+        mem = f"{memory[side]:.2f}×" if side in memory else "1"
+        print(f"| {name} | {s['median_step_s']:.1f} | {ratio} | {1e3 * s['median_s_per_token']:.2f} | {token_ratio} | "
+              f"{s['peak_rss_gb']:.2f} | {mem} | {s['steps_counted']} | {s['mean_completion_tokens']:.1f} | "
+              f"{s['mean_reward']:.3f} | {skipped} |")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"summary": summary, "ratios": ratios, "runs": runs, "threads": args.threads}, f, indent=1)
+            json.dump({"summary": summary, "ratios": ratios, "token_ratios": token_ratios, "memory_ratios": memory,
+                       "runs": runs, "threads": args.threads}, f, indent=1)
 
 
 if __name__ == "__main__":
