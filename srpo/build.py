@@ -409,6 +409,13 @@ def scheduler(cfg: Config, optimizer_):
     return torch.optim.lr_scheduler.LambdaLR(optimizer_, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
 
 
+def activation_checkpointing(cfg: Config) -> bool:
+    """``train.activation_checkpointing`` with ``auto`` resolved: on for a CPU run (measured free
+    there, benchmarks/bench_memory.py), off on CUDA (not measured)."""
+    setting = cfg.train.activation_checkpointing
+    return cfg.run.device == "cpu" if setting == "auto" else bool(setting)
+
+
 def autocast(cfg: Config):
     """bfloat16 autocast for the model's matmuls when ``model.autocast_bf16`` (weights stay as loaded)."""
     import torch

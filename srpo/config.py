@@ -282,11 +282,13 @@ class TrainConfig(Section):
     old_logprobs: recompute."""
     max_nonfinite_steps: PositiveInt = 3
     """Stop (with a checkpoint) after this many consecutive steps with NaN/Inf loss or gradients."""
-    activation_checkpointing: bool = False
+    activation_checkpointing: Literal["auto"] | bool = "auto"
     """Recompute each decoder layer's activations in the backward instead of keeping them (the
-    update's memory drops to near the weights + optimizer state; see benchmarks/README.md for the
-    time it costs).  Works with the shared-prompt KV reuse and with FSDP.  On a CPU it also fixes
-    glibc's mmap threshold at 1 MiB so that freed activations return to the OS."""
+    update's memory drops to near the weights + optimizer state).  Works with the shared-prompt KV
+    reuse and with FSDP.  On a CPU it also fixes glibc's mmap threshold at 8 MiB so that freed
+    activations return to the OS.  auto: on for run.device cpu, where benchmarks/bench_memory.py
+    measured it at no step-time cost (0.98×) and 0.61× the peak memory; off on CUDA, where its cost
+    has not been measured here."""
     chunk_tokens: PositiveInt = 1024
     """Positions per vocabulary-projection chunk in the log-prob pass."""
     rollout_batch: PositiveInt = 256

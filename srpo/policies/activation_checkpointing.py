@@ -28,15 +28,18 @@ CACHE_NAMES = ("cache", "past_key_values", "past_key_value")
 _MMAP_THRESHOLD_SET = False
 
 
-def return_freed_blocks_to_the_os(threshold: int = 1 << 20) -> bool:
+def return_freed_blocks_to_the_os(threshold: int = 8 << 20) -> bool:
     """glibc: serve allocations ≥ ``threshold`` bytes by mmap, so freed ones go back to the OS.
 
     By default glibc raises its mmap threshold each time a large block is freed and then keeps
     later large blocks in its heap: with checkpointing, the recomputed activations are freed
     layer by layer, yet the process's RSS stays ~1.7 GB above what is live on a 135M model
     (benchmarks/README.md, row 5).  Fixing the threshold (what ``MALLOC_MMAP_THRESHOLD_`` does)
-    returns them.  A no-op elsewhere (not glibc) and when the environment already sets it.
-    Returns whether the setting took effect."""
+    returns them.  Why 8 MiB: at 1 MiB every mid-sized tensor is a fresh mmap and its pages are
+    faulted in again each time — the demo's step took 1.77× as long with checkpointing as
+    without; at 8 MiB 0.98× (2026-12-02, benchmarks/bench_memory.py; peak 3.67 GB against 3.28 GB
+    at 1 MiB and 6.00 GB without checkpointing).  A no-op elsewhere (not glibc) and when the
+    environment already sets it.  Returns whether the setting took effect."""
     global _MMAP_THRESHOLD_SET
     import ctypes
     import os

@@ -98,7 +98,7 @@ class Trainer:
         if cfg.method.kl_coef > 0:
             self.policies.freeze_reference()
         self.backend.wrap(self.policies)  # before the optimizers: they hold the (sharded) parameters
-        if cfg.train.activation_checkpointing and cfg.run.device == "cpu":
+        if build.activation_checkpointing(cfg) and cfg.run.device == "cpu":
             from srpo.policies.activation_checkpointing import return_freed_blocks_to_the_os
 
             return_freed_blocks_to_the_os()  # else glibc keeps the freed activations (see there)

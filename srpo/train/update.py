@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from srpo.events import Event, collate, global_normalizer, split_minibatches
+from srpo.build import activation_checkpointing
 from srpo.methods import loss_settings
 from srpo.objective import LossInputs, policy_loss
 from srpo.objective.metrics import MetricAccumulator, Metrics, gradient_share_by_k
@@ -47,6 +48,7 @@ class PolicyUpdate:
         self.device = device if device is not None else torch.device(cfg.run.device)
         self.optimizers, self.schedulers, self.autocast, self.totals = optimizers, schedulers, autocast, totals
         self.loss_settings = loss_settings(cfg)  # the loss's hyperparameters, read once per run
+        self.checkpoint_layers = activation_checkpointing(cfg)  # train.activation_checkpointing, resolved
         self.nonfinite_in_a_row = 0
         self.reuse_forward_as_old = True  # see on_policy_single_step; tests turn it off to compare
 
@@ -127,7 +129,7 @@ class PolicyUpdate:
                     pid, batch.input_ids[rows], batch.attention_mask[rows], batch.prompt_length,
                     action_mask=batch.action_mask[rows], temperature=batch.temperatures[rows],
                     chunk_tokens=self.cfg.train.chunk_tokens, return_entropy=entropy,
-                    checkpoint_layers=grad and self.cfg.train.activation_checkpointing)
+                    checkpoint_layers=grad and self.checkpoint_layers)
                 if entropy:
                     out, e = out
                     ent = ent.index_put((rows,), e)
