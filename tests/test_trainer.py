@@ -226,16 +226,22 @@ def test_tis_needs_recomputed_old_logprobs():
         load_config(None, ["train.tis_cap=0.5"])
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_activation_checkpointing_trains_to_the_same_weights(tmp_path, parallel):
+@pytest.mark.parametrize("parallel, layout", [("ddp", "shared"), ("fsdp", "shared"), ("ddp", "lora")])
+def test_activation_checkpointing_trains_to_the_same_weights(tmp_path, parallel, layout):
+    """Also with LoRA, where each policy's pass runs under its own adapter and the backward of all
+    of them comes later: a layer recomputed then runs under the adapter of its forward."""
     runs = {}
     for ckpt in (False, True):
         cfg = load_config(ROOT / "configs/math/parallel_aggregate/srpo.yaml", tiny_overrides(tmp_path / f"{ckpt}", [
             "workflow.options={num_workers: 2}", "train.minibatches=2", f"train.parallel={parallel}",
-            f"train.activation_checkpointing={str(ckpt).lower()}", "train.skip_zero_advantage=false"]))
+            f"model.layout={layout}", f"train.activation_checkpointing={str(ckpt).lower()}",
+            "train.skip_zero_advantage=false"]))
         trainer = Trainer(cfg, progress=False, reward_fn=varied_reward)
         history = trainer.fit()
-        if trainer.backend.sharded_optimizer_state:
+        if layout == "lora":
+            runs[ckpt] = (history, {n: t.detach().clone() for pid in trainer.policies.policy_ids
+                                    for n, t in trainer.policies.adapter_state(pid).items()})
+        elif trainer.backend.sharded_optimizer_state:
             runs[ckpt] = (history, trainer.backend.full_state_dicts(trainer.policies)["shared"])
         else:
             runs[ckpt] = (history, {k: v.detach().clone() for k, v in trainer.policies.model_for("shared").state_dict().items()})

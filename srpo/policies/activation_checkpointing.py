@@ -11,6 +11,11 @@ run — the forward and the recomputation — builds its own one-layer cache fro
 exactly the same prefix; the real cache then receives the appended keys and values once.
 HF's own ``gradient_checkpointing_enable`` instead turns the cache off in training, and only acts
 in train mode (srpo keeps models in eval mode: no dropout).
+
+LoRA: the update runs one policy's pass with its adapter active, then the next policy's, and the
+backward of all of them comes later — so a layer recomputed in the backward would run under
+whichever adapter is active *then*.  Each checkpointed forward therefore records which adapter its
+LoRA layers had active (and whether adapters were disabled) and the recomputation runs under that.
 """
 
 from __future__ import annotations
@@ -77,12 +82,37 @@ def _one_layer_cache(model, index: int, keys, values):
     return cache
 
 
-def _checkpointed_forward(model, index: int, cache_name: str | None, original, hidden_states, *args, **kwargs):
+def _adapter_state(tuners: list[nn.Module]) -> list[tuple]:
+    """Which adapter each PEFT tuner layer has active now, and whether adapters are disabled."""
+    return [(m, m._active_adapter, getattr(m, "_disable_adapters", None)) for m in tuners]
+
+
+@contextlib.contextmanager
+def _adapters_as(state: list[tuple]):
+    """Run with the tuner layers' adapter state as recorded in ``state``; put back what was there."""
+    now = _adapter_state([m for m, _, _ in state])
+    for m, active, disabled in state:
+        m._active_adapter = active
+        if disabled is not None:
+            m._disable_adapters = disabled
+    try:
+        yield
+    finally:
+        for m, active, disabled in now:
+            m._active_adapter = active
+            if disabled is not None:
+                m._disable_adapters = disabled
+
+
+def _checkpointed_forward(model, index: int, cache_name: str | None, tuners: list[nn.Module], original,
+                          hidden_states, *args, **kwargs):
     if not torch.is_grad_enabled():  # nothing is kept for a backward anyway
         return original(hidden_states, *args, **kwargs)
+    state = _adapter_state(tuners)  # the recomputation runs under this forward's adapter
+    context = {"context_fn": lambda: (contextlib.nullcontext(), _adapters_as(state))} if tuners else {}
     cache = kwargs.get(cache_name) if cache_name else None
     if cache is None:
-        return checkpoint(original, hidden_states, *args, use_reentrant=False, **kwargs)
+        return checkpoint(original, hidden_states, *args, use_reentrant=False, **context, **kwargs)
     slot = cache.layers[index]
     prefix_k = slot.keys if getattr(slot, "is_initialized", slot.keys is not None) else None
     prefix_v = slot.values if prefix_k is not None else None
@@ -93,7 +123,7 @@ def _checkpointed_forward(model, index: int, cache_name: str | None, original, h
         out = original(h, *args, **{cache_name: own}, **rest)
         return out, own.layers[index].keys, own.layers[index].values
 
-    out, keys, values = checkpoint(run, hidden_states, prefix_k, prefix_v, use_reentrant=False)
+    out, keys, values = checkpoint(run, hidden_states, prefix_k, prefix_v, use_reentrant=False, **context)
     # The real cache gets this layer's appended keys and values once (later layers read nothing
     # from it, but the cache's length bookkeeping stays true).
     if prefix_k is None:
@@ -116,7 +146,8 @@ def activation_checkpointing(model, enabled: bool = True):
         original = layer.forward
         cache_name = _cache_arg(layer)
         saved.append((layer, "forward" in layer.__dict__, layer.__dict__.get("forward")))
-        layer.forward = partial(_checkpointed_forward, model, _layer_index(layer, i), cache_name, original)
+        tuners = [m for m in layer.modules() if hasattr(m, "_active_adapter")]  # PEFT's LoRA layers
+        layer.forward = partial(_checkpointed_forward, model, _layer_index(layer, i), cache_name, tuners, original)
     try:
         yield
     finally:
