@@ -109,9 +109,9 @@ def main() -> None:
         print(f"| {i} | {curves['in-process'][i]:.2f} | {curves['cell-process'][i]:.2f} |")
     for mode, c in curves.items():
         if len(c) > 2:
+            cell_peak = f", of its largest cell process {peaks[mode][1]:.2f} GB" if mode == "cell-process" else ""
             print(f"\n{mode}: after cell {len(c) - 1} {c[-1]:.2f} GB vs after cell 2 {c[2]:.2f} GB → {c[-1] / c[2]:.2f}×; "
-                  f"peak of the study process {peaks[mode][0]:.2f} GB, of its largest cell process "
-                  f"{peaks[mode][1]:.2f} GB")
+                  f"peak of the study process {peaks[mode][0]:.2f} GB{cell_peak}")
 
 
 if __name__ == "__main__":
