@@ -15,6 +15,7 @@ python3 -m venv "$WORK/venv"
 "$WORK/venv/bin/pip" install -qq -c "$ROOT/constraints.txt" "$WHEEL"
 cd "$WORK"  # nothing of the checkout on the path
 "$WORK/venv/bin/python" -c "import srpo, sys; assert srpo.__file__.startswith('$WORK/venv'), srpo.__file__; print('srpo from', srpo.__file__)"
+"$WORK/venv/bin/python" -c "import srpo.apps.study, srpo.apps.sft, srpo.runs.checkpoint, srpo.train, srpo.rollout, srpo.parallel, srpo.types"
 "$WORK/venv/bin/srpo" --help > /dev/null
 "$WORK/venv/bin/srpo" models list
 echo "wheel check: ok"
