@@ -210,6 +210,20 @@ def test_a_torn_cell_record_is_named_set_aside_and_the_cell_run_again(tmp_path):
     assert read_cell(cell)["label"] == "srpo"
 
 
+def _one_cell_study(tmp_path, run: dict, workflow: dict):
+    """A study of one cell (srpo, seed 0) on the tiny model, its folder tmp_path/out."""
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump({
+        "run": run, "model": {"name": "tiny-llama"}, "workflow": workflow,
+        "task": {"kind": "math", "train": {"source": "synthetic_arithmetic", "level": 0, "n": 8}},
+        "train": {"tasks_per_step": 2, "group_size": 2}, "checkpoint": {"every": 0}, "log": {"tensorboard": False}}))
+    study = tmp_path / "study.yaml"
+    study.write_text(yaml.safe_dump({
+        "output_dir": str(tmp_path / "out"), "base": "base.yaml", "seeds": [0],
+        "axes": {"method": [{"label": "srpo", "set": {"method.name": "srpo"}}]},
+        "eval": {"k": 1, "datasets": [{"source": "synthetic_arithmetic", "level": 0, "n": 2, "seed": 9}]}}))
+    return study
+
+
 def test_each_cell_runs_in_its_own_process_and_a_cell_process_that_dies_is_named(tmp_path, monkeypatch):
     """cell_process (the default): a cell's process that is killed (here: its workflow kills it)
     ends the study with a message naming the cell and the exit code — not a hang — and the study's
@@ -227,16 +241,7 @@ def test_each_cell_runs_in_its_own_process_and_a_cell_process_that_dies_is_named
         "    async def run(self, ctx, task):\n"
         "        os.kill(os.getpid(), signal.SIGKILL)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    base = tmp_path / "base.yaml"
-    base.write_text(yaml.safe_dump({
-        "run": {"steps": 1}, "model": {"name": "tiny-llama"}, "workflow": {"name": "killer_team:Killer"},
-        "task": {"kind": "math", "train": {"source": "synthetic_arithmetic", "level": 0, "n": 8}},
-        "train": {"tasks_per_step": 2, "group_size": 2}, "checkpoint": {"every": 0}, "log": {"tensorboard": False}}))
-    study = tmp_path / "study.yaml"
-    study.write_text(yaml.safe_dump({
-        "output_dir": str(tmp_path / "out"), "base": "base.yaml", "seeds": [0],
-        "axes": {"method": [{"label": "srpo", "set": {"method.name": "srpo"}}]},
-        "eval": {"k": 1, "datasets": [{"source": "synthetic_arithmetic", "level": 0, "n": 2, "seed": 9}]}}))
+    study = _one_cell_study(tmp_path, {"steps": 1}, {"name": "killer_team:Killer"})
     import srpo.train
 
     monkeypatch.setattr(srpo.train, "Trainer", None)  # the study's own process never trains
@@ -255,17 +260,7 @@ def test_a_preempted_study_stops_its_cell_s_process_at_a_checkpoint_and_continue
     import sys
     import time
 
-    base = tmp_path / "base.yaml"
-    base.write_text(yaml.safe_dump({
-        "run": {"steps": 60, "threads": 1}, "model": {"name": "tiny-llama"},
-        "workflow": {"name": "single", "max_new_tokens": 4},
-        "task": {"kind": "math", "train": {"source": "synthetic_arithmetic", "level": 0, "n": 8}},
-        "train": {"tasks_per_step": 2, "group_size": 2}, "checkpoint": {"every": 0}, "log": {"tensorboard": False}}))
-    study = tmp_path / "study.yaml"
-    study.write_text(yaml.safe_dump({
-        "output_dir": str(tmp_path / "out"), "base": "base.yaml", "seeds": [0],
-        "axes": {"method": [{"label": "srpo", "set": {"method.name": "srpo"}}]},
-        "eval": {"k": 1, "datasets": [{"source": "synthetic_arithmetic", "level": 0, "n": 2, "seed": 9}]}}))
+    study = _one_cell_study(tmp_path, {"steps": 60, "threads": 1}, {"name": "single", "max_new_tokens": 4})
     srpo_cli = [sys.executable, "-m", "srpo.apps.cli", "study", "--config", str(study)]
     metrics = tmp_path / "out" / "srpo" / "seed0" / "metrics.jsonl"
     proc = subprocess.Popen(srpo_cli, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
