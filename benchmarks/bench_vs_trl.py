@@ -29,6 +29,7 @@ import tempfile
 import time
 
 PROMPTS_PER_STEP, SAMPLES, MAX_NEW, LR, SEED = 2, 8, 64, 1e-5, 0
+TASK = {"kind": "math", "train": {"source": "synthetic_arithmetic", "level": 2, "n": 1000, "seed": SEED}}
 
 
 def run_ours(steps: int, threads: int, skip_zero_advantage: bool = True) -> dict:
@@ -44,7 +45,7 @@ def run_ours(steps: int, threads: int, skip_zero_advantage: bool = True) -> dict
         "model": {"name": "smollm2-135m", "layout": "shared", "autocast_bf16": True},
         # No system prompt: SmolLM2's chat template adds its default one, exactly as TRL's does.
         "workflow": {"name": "single", "max_new_tokens": MAX_NEW, "temperature": 1.0, "roles": {"solver": {"system": ""}}},
-        "task": {"kind": "math", "train": {"source": "synthetic_arithmetic", "level": 2, "n": 1000, "seed": SEED}},
+        "task": TASK,
         "method": {"name": "grpo"},
         "train": {"tasks_per_step": PROMPTS_PER_STEP, "group_size": SAMPLES, "lr": LR, "max_grad_norm": 1.0,
                   "skip_zero_advantage": skip_zero_advantage},
@@ -78,12 +79,15 @@ def run_trl(steps: int, threads: int) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from srpo.build import config_from_dict, train_tasks
     from srpo.data import epoch_order
     from srpo.policies.models import converted_checkpoint
-    from srpo.tasks.math import grade_math, synthetic_arithmetic
+    from srpo.tasks.math import grade_math
 
     path = str(converted_checkpoint("smollm2-135m"))
-    tasks = synthetic_arithmetic(1000, level=2, seed=SEED)
+    # The tasks srpo's trainer draws from: the *train part* of the synthetic source (its held-out
+    # part is never trained on, srpo.tasks.splits), loaded as srpo loads it.
+    tasks = train_tasks(config_from_dict({"task": TASK}))
     # The problems in the order srpo's trainer visits them, and TRL told not to shuffle: both
     # sides then see the same two problems at every step, and differ only in their draws.
     tasks = [tasks[i] for i in epoch_order(len(tasks), SEED, 0)]
