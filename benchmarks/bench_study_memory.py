@@ -24,10 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def rss_gb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 2**20
-    return float("nan")
+    from srpo.train.memory import rss_bytes
+
+    return rss_bytes() / 2**30
 
 
 def study_file(folder: Path, cells: int, steps: int, threads: int, model: str, in_process: bool) -> Path:

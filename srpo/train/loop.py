@@ -104,11 +104,11 @@ class Trainer:
             return_freed_blocks_to_the_os()  # else glibc keeps the freed activations (see there)
         self.engine = build.engine(cfg, self.policies)
         self.optimizers = {pid: build.optimizer(cfg, self.policies.parameters(pid)) for pid in self.policies.policy_ids}
-        self.schedulers = {pid: build.scheduler(cfg, opt) for pid, opt in self.optimizers.items()}
+        schedulers = {pid: build.scheduler(cfg, opt) for pid, opt in self.optimizers.items()}  # the updater's
         self.totals = state.make_totals()  # running counters (tokens, correct, skipped steps ...)
         # (A factory, not the bound method: a reference back to the trainer would keep a dropped
         # trainer — and its run-folder lock — alive until the cycle collector runs.)
-        self.updater = PolicyUpdate(cfg, self.method, self.policies, self.backend, self.optimizers, self.schedulers,
+        self.updater = PolicyUpdate(cfg, self.method, self.policies, self.backend, self.optimizers, schedulers,
                                     functools.partial(build.autocast, cfg), self.totals, build.device(cfg))
         # Each rank samples differently; the seed offset keeps ranks' rollouts independent.
         self.rollout_generator = torch.Generator().manual_seed(cfg.run.seed * 1000 + self.backend.rank)

@@ -131,7 +131,7 @@ class SupervisedTrainer:
         mine = batch[rank::world]
         tokens = max(self.backend.sum_int(sum(len(e.completion_ids) for e in mine)), 1)
         loss_sum = torch.zeros(())
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.model.autocast_bf16):
+        with build.autocast(self.cfg):
             for pid in sorted({self.policies.policy_of(e.role) for e in batch}):  # the same order on every rank
                 rows = [e for e in mine if self.policies.policy_of(e.role) == pid]
                 if not rows:  # another rank forwards this policy: take part in its collectives
