@@ -172,6 +172,14 @@ def makes_no_call(task, url):
     return "42"
 
 
+def slow_to_ask(task, url):
+    import time
+
+    if task.task_id == "slow":
+        time.sleep(3.0)  # busy with other work before its first call (the batch should not wait for it)
+    return _ask(_client(url), "solver", task.question)
+
+
 # -- the OpenAI Agents SDK, as its docs write it for another provider ---------------------------
 async def agents_sdk_team(task, url, api="responses"):
     """A lead agent that asks a solver agent (used as a tool), then hands off to a checker who gives

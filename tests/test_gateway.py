@@ -259,8 +259,11 @@ def test_a_team_written_with_the_openai_client_gives_the_builtin_events(name, op
     from srpo.workflows.builtins import build_workflow
 
     builtin = build_workflow(name, **options)
+    # A generous max_batch_wait_s: a worker process's first episode imports and builds its client,
+    # which on a loaded machine can take longer than the default 2 s; what is checked here is the
+    # batching by count (test_a_batch_does_not_wait_long_for_a_busy_program checks the timer).
     agent = build_workflow("openai_agent", entry=f"{TEAMS}:{program}", roles=builtin.roles(), max_new_tokens=64,
-                           isolation=isolation)
+                           isolation=isolation, max_batch_wait_s=60.0, batch_window_s=0.05)
     expected, builtin_calls = _run(builtin, builtin.roles())
     got, gateway_calls = _run(agent, builtin.roles())
     for a, b in zip(expected, got):
@@ -272,6 +275,26 @@ def test_a_team_written_with_the_openai_client_gives_the_builtin_events(name, op
     # Batched across episodes as the built-in runtime batches: as many model calls (a little slack
     # for a thread that misses the batch window on a loaded machine).
     assert len(gateway_calls) <= len(builtin_calls) + 2, (builtin_calls, gateway_calls)
+
+
+@pytest.mark.parametrize("max_wait_s", [0.5, 60.0])
+def test_a_batch_does_not_wait_long_for_a_busy_program(max_wait_s):
+    from srpo.policies.scripted import ScriptedPolicies
+    from srpo.workflows.builtins import build_workflow
+    from srpo.workflows.runtime import Runtime
+
+    agent = build_workflow("openai_agent", entry=f"{TEAMS}:slow_to_ask", roles=["solver"], isolation="thread",
+                           max_batch_wait_s=max_wait_s)
+    policies = ScriptedPolicies(_script, ["solver"])
+    runtime = Runtime(BuiltinEngine(policies), agent.default_role_specs(), lambda t, a: 1.0)
+    tasks = [Task("slow", "What is 2 + 1?", ("3",), "math")] + [Task(f"t{i}", "What is 2 + 2?", ("4",), "math")
+                                                                 for i in range(3)]
+    results = runtime.run(agent, [(f"e{i}", t) for i, t in enumerate(tasks)])
+    assert not runtime.failures and len(results) == 4
+    if max_wait_s < 3.0:  # the three quick episodes are served while the slow one is still busy
+        assert policies.calls == [3, 1], policies.calls
+    else:  # they wait for it: one batch
+        assert policies.calls == [4], policies.calls
 
 
 def test_a_program_that_fails_or_hangs_costs_its_episode_only(caplog):
