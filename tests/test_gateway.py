@@ -463,7 +463,8 @@ def test_a_langgraph_team_gives_its_sets_and_trains_through_the_gateway(tmp_path
     # The graph's data flow, recovered: both solvers' answers reach the judge together (K = 2),
     # the judge's answer ends the episode (K = 1).
     roles = ["solver_1", "solver_2", "judge"]
-    agent = build_workflow("openai_agent", entry=f"{TEAMS}:langgraph_team", roles=roles, max_new_tokens=64)
+    agent = build_workflow("openai_agent", entry=f"{TEAMS}:langgraph_team", roles=roles, max_new_tokens=64,
+                           max_batch_wait_s=60.0)  # a worker's first import of LangGraph may pass the 2 s default
     results, calls = _run(agent, roles)
     for r in results:
         assert [(e.event_type, e.size) for e in r.events] == [("to:judge", 2), ("final", 1)], r.transcript
