@@ -15,6 +15,7 @@ optimizer, activations, allocator caches), each against TRL's.  Needs `pip insta
 (not a dependency of srpo).
 
     python benchmarks/bench_vs_trl.py --steps 8 --rounds 2 --threads 2
+    python benchmarks/bench_vs_trl.py --profile --steps 3   # where one srpo step (every event forwarded) goes
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ PROMPTS_PER_STEP, SAMPLES, MAX_NEW, LR, SEED = 2, 8, 64, 1e-5, 0
 TASK = {"kind": "math", "train": {"source": "synthetic_arithmetic", "level": 2, "n": 1000, "seed": SEED}}
 
 
-def run_ours(steps: int, threads: int, skip_zero_advantage: bool = True) -> dict:
+def run_ours(steps: int, threads: int, skip_zero_advantage: bool = True, profile: bool = False) -> dict:
     import torch
 
     torch.set_num_threads(threads)
@@ -62,6 +63,23 @@ def run_ours(steps: int, threads: int, skip_zero_advantage: bool = True) -> dict
         return tasks
 
     trainer.next_tasks = recorded_next_tasks
+    if profile:  # the warm-up steps, then one step under torch's profiler: where a step's time goes
+        from torch.profiler import ProfilerActivity, profile as torch_profile, record_function
+
+        trainer.fit(steps - 1)
+        update, rollout = trainer.update, trainer.rollout
+
+        def labelled(fn, name):
+            def run(*a, **k):
+                with record_function(name):
+                    return fn(*a, **k)
+            return run
+
+        trainer.update, trainer.rollout = labelled(update, "## update"), labelled(rollout, "## rollout")
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            history = [trainer.train_step()]
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=45, max_name_column_width=60))
+        return {}
     history = trainer.fit()
     return {"step_s": [h["time/step_s"] for h in history],
             "rollout_s": [h["time/rollout_s"] for h in history], "update_s": [h["time/update_s"] for h in history],
@@ -146,7 +164,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--child", choices=list(SIDES))
     ap.add_argument("--out", default="")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile one step of srpo with every event forwarded (after steps − 1 warm-up steps) and exit")
     args = ap.parse_args()
+    if args.profile:
+        os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+        run_ours(args.steps, args.threads, skip_zero_advantage=False, profile=True)
+        return
     if args.child:
         import resource
 

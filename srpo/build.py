@@ -131,6 +131,8 @@ def policies(cfg: Config, roles: list[str]):
         from srpo.gateway.tools import resolve_chat_template
 
         built.tokenizer.chat_template = resolve_chat_template(cfg.model.chat_template)
+    if cfg.train.length_groups:
+        built.length_groups = cfg.train.length_groups
     if cfg.model.init_from:  # a warm start (srpo sft), same layout
         built.load_pretrained_weights(Path(cfg.model.init_from))
     for module in built.modules():

@@ -291,6 +291,14 @@ class TrainConfig(Section):
     has not been measured here."""
     chunk_tokens: PositiveInt = 1024
     """Positions per vocabulary-projection chunk in the log-prob pass."""
+    length_groups: PositiveInt | None = None
+    """Most groups of similar completion length per log-prob pass, each padded only to its own
+    longest row (None: 4 in one process and under ddp; under fsdp every pass makes exactly this
+    many backbone calls — each all-gathers every layer — so its default is set by
+    benchmarks/bench_fsdp_padding.py)."""
+    fsdp_share_prompts: bool = False
+    """Under fsdp: run each distinct prompt of a pass once and continue its rows from that prompt's
+    KV cache (one more backbone call per pass; one process and ddp always share prompts)."""
     rollout_batch: PositiveInt = 256
     """Most generation requests per model call."""
     @field_validator("group_size")

@@ -537,10 +537,12 @@ def test_length_buckets_cut_padding_and_keep_every_row():
     assert length_buckets([]) == []
 
 
-@pytest.mark.parametrize("share", [True, False])
-def test_length_bucketed_logprobs_equal_plain(share):
+@pytest.mark.parametrize("share, fixed_calls", [(True, False), (False, False), (True, True), (False, True)])
+def test_length_bucketed_logprobs_equal_plain(share, fixed_calls):
     """Completions from 1 to T tokens (several length groups) with shared and distinct prompts:
-    values and gradients equal the full-logits reference."""
+    values and gradients equal the full-logits reference.  With ``fixed_calls`` (what FSDP runs)
+    the backbone is called exactly max_length_groups (+ 1 prompt pass) times, for these rows and
+    for one row alike."""
     model, tok = load_model("tiny-llama")
     g = torch.Generator().manual_seed(5)
     P, T = 6, 24
@@ -556,12 +558,25 @@ def test_length_bucketed_logprobs_equal_plain(share):
     mask = attn[:, P:].float()
     weights = torch.linspace(-1, 1, ids.shape[0] * T).view(-1, T)
     results = []
-    for fn, kw in [(completion_logprobs, {"share_prompts": share, "chunk_tokens": 16}), (completion_logprobs_plain, {})]:
+    calls = []
+    hook = model.get_decoder().register_forward_pre_hook(lambda *a: calls.append(1))
+    groups = 6 if fixed_calls else 4
+    fixed = {"fixed_calls": True, "max_length_groups": groups} if fixed_calls else {}
+    for fn, kw in [(completion_logprobs, {"share_prompts": share, "chunk_tokens": 16, **fixed}),
+                   (completion_logprobs_plain, {})]:
         model.zero_grad()
+        calls.clear()
         lp = fn(model, ids, attn, P, action_mask=mask, temperature=0.9, **kw)
         (lp * weights).sum().backward()
-        results.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-    (a, ga), (b, gb) = results
+        results.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, len(calls)))
+    if fixed_calls:
+        for n_rows in (ids.shape[0], 1):
+            calls.clear()
+            completion_logprobs(model, ids[:n_rows], attn[:n_rows], P, action_mask=mask[:n_rows], share_prompts=share,
+                                **fixed)
+            assert len(calls) == groups + share, (n_rows, len(calls))
+    hook.remove()
+    (a, ga, _), (b, gb, _) = results
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert torch.all(a[mask == 0] == 0)
     for n in ga:

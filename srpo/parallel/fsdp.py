@@ -45,21 +45,25 @@ from srpo.policies.logprobs import completion_logprobs
 
 
 class LogProbModule(nn.Module):
-    """The root FSDP unit: ``forward`` is :func:`completion_logprobs` of the wrapped model."""
+    """The root FSDP unit: ``forward`` is :func:`completion_logprobs` of the wrapped model.
 
-    def __init__(self, model: nn.Module):
+    Each backbone call all-gathers every layer, and ranks must issue the same collectives in the
+    same order, so every pass makes the same number of backbone calls whatever its rows
+    (``fixed_calls``): ``length_groups`` groups of similar completion length — each rank groups
+    its own rows, and a group it cannot fill runs one token — after one prompt pass when
+    ``share_prompts``.  Nothing about the other ranks' rows is needed to agree."""
+
+    def __init__(self, model: nn.Module, length_groups: int = 1, share_prompts: bool = False):
         super().__init__()
         self.model = model
+        self.length_groups, self.share_prompts = length_groups, share_prompts
 
     def forward(self, input_ids, attention_mask, prompt_length, action_mask=None, temperature=1.0,
                 chunk_tokens: int = 1024, return_entropy: bool = False, checkpoint_layers: bool = False):
-        # One backbone call per pass, whatever the batch: each call all-gathers every layer, and
-        # ranks must issue the same collectives — with prompt sharing and length groups the number
-        # of calls depends on the rank's rows (a rank with one row, or an idle pass, would make
-        # fewer calls than its peers and pair one layer's all-gather with another's).
         return completion_logprobs(self.model, input_ids, attention_mask, prompt_length, action_mask=action_mask,
                                    temperature=temperature, chunk_tokens=chunk_tokens, return_entropy=return_entropy,
-                                   checkpoint_layers=checkpoint_layers, share_prompts=False, max_length_groups=1)
+                                   checkpoint_layers=checkpoint_layers, share_prompts=self.share_prompts,
+                                   max_length_groups=self.length_groups, fixed_calls=True)
 
 
 def ensure_process_group(run_device: str = "cpu") -> None:
@@ -91,7 +95,8 @@ def mixed_precision(root: bool):
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=not root)
 
 
-def shard(model: nn.Module, run_device: str = "cpu", bf16_compute: bool = False) -> LogProbModule:
+def shard(model: nn.Module, run_device: str = "cpu", bf16_compute: bool = False, length_groups: int = 1,
+          share_prompts: bool = False) -> LogProbModule:
     """Shard ``model`` in place (per decoder layer, then the root) and return its root unit.
 
     The mesh is built for ``run.device``'s device type — ``fully_shard`` without one takes the CUDA
@@ -104,7 +109,7 @@ def shard(model: nn.Module, run_device: str = "cpu", bf16_compute: bool = False)
 
     ensure_process_group(run_device)
     mesh = init_device_mesh(device_type(run_device), (dist.get_world_size(),))
-    root = LogProbModule(model)
+    root = LogProbModule(model, length_groups, share_prompts)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, **({"mp_policy": mixed_precision(root=False)} if bf16_compute else {}))
     # The root is resharded after its forward too (FSDP's default keeps a root unsharded until its
@@ -198,10 +203,16 @@ class FullyShardedDataParallel(DataParallel):
     needs_idle_pass = True
     sharded_optimizer_state = True
 
-    def __init__(self, run_device: str = "cpu", bf16_compute: bool = False):
+    #: Length groups per pass when train.length_groups is unset (benchmarks/bench_fsdp_padding.py).
+    DEFAULT_LENGTH_GROUPS = 1
+
+    def __init__(self, run_device: str = "cpu", bf16_compute: bool = False, length_groups: int | None = None,
+                 share_prompts: bool = False):
         ensure_process_group(run_device)  # one process without torchrun still shards (over one rank)
         super().__init__()
         self.run_device, self.bf16_compute = run_device, bf16_compute
+        self.length_groups = length_groups or self.DEFAULT_LENGTH_GROUPS
+        self.share_prompts = share_prompts
         self.roots: dict[str, LogProbModule] = {}  # the sharded roots: a policy's each, or one for lora
         self.passes: dict = {}  # policy id → its log-prob pass (a root, or an AdapterPass)
         self.reference_passes: dict = {}  # policy id → its KL reference's pass (method.kl_coef > 0)
@@ -210,14 +221,16 @@ class FullyShardedDataParallel(DataParallel):
 
     @classmethod
     def from_config(cls, cfg) -> "FullyShardedDataParallel":
-        return cls(cfg.run.device, bf16_compute=cfg.model.autocast_bf16)
+        return cls(cfg.run.device, bf16_compute=cfg.model.autocast_bf16, length_groups=cfg.train.length_groups,
+                   share_prompts=cfg.train.fsdp_share_prompts)
 
     def wrap(self, policies) -> None:
         """Shard every policy's model — or, for ``lora``, the one PEFT model — and its KL reference
         when it has one (before the optimizers: they hold the sharded parameters); route the
         log-prob passes through the roots."""
         shard_ = functools.partial(shard, run_device=self.run_device,
-                                   bf16_compute=self.bf16_compute and device_type(self.run_device) == "cuda")
+                                   bf16_compute=self.bf16_compute and device_type(self.run_device) == "cuda",
+                                   length_groups=self.length_groups, share_prompts=self.share_prompts)
         if policies.layout == "lora":
             root = shard_(policies.model)
             self.roots = {"adapters": root}

@@ -55,6 +55,8 @@ class PolicySet:
         #: set by a parallel backend (FSDP's root unit, through which its collectives run); empty:
         #: the models are called directly.
         self.logprob_modules: dict[str, torch.nn.Module] = {}
+        #: Most length groups per log-prob pass (train.length_groups) when the models are called directly.
+        self.length_groups = 4
         #: The same for the KL reference's passes (FSDP: the sharded reference's roots).
         self.reference_modules: dict = {}
         #: Called before every sampling call, when set (FSDP: sampling only on gathered weights).
@@ -135,7 +137,7 @@ class PolicySet:
         return completion_logprobs(
             self.model_for(policy_id), input_ids, attention_mask, prompt_length,
             action_mask=action_mask, temperature=temperature, chunk_tokens=chunk_tokens,
-            return_entropy=return_entropy, checkpoint_layers=checkpoint_layers,
+            return_entropy=return_entropy, checkpoint_layers=checkpoint_layers, max_length_groups=self.length_groups,
         )
 
     def reference_logprobs(self, policy_id: str, input_ids, attention_mask, prompt_length, *, action_mask=None,
@@ -149,6 +151,7 @@ class PolicySet:
             return completion_logprobs(
                 self.reference_model(policy_id), input_ids, attention_mask, prompt_length,
                 action_mask=action_mask, temperature=temperature, chunk_tokens=chunk_tokens,
+                max_length_groups=self.length_groups,
             )
 
     def freeze_reference(self) -> None:
@@ -345,7 +348,8 @@ class LoraPolicies(PolicySet):
         try:
             with torch.no_grad(), self.model.disable_adapter():
                 return completion_logprobs(self.model, input_ids, attention_mask, prompt_length,
-                                           action_mask=action_mask, temperature=temperature, chunk_tokens=chunk_tokens)
+                                           action_mask=action_mask, temperature=temperature, chunk_tokens=chunk_tokens,
+                                           max_length_groups=self.length_groups)
         finally:  # PEFT re-enables only the active adapter's gradients; every adapter trains
             self.enable_adapter_grads()
 

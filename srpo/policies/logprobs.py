@@ -152,16 +152,24 @@ def _select_cache(cache, rows: torch.Tensor, model):
 
 
 def _prediction_states(model, input_ids, attention_mask, P: int, share_prompts: bool,
-                       max_groups: int = 4) -> torch.Tensor:
+                       max_groups: int = 4, fixed_calls: bool = False) -> torch.Tensor:
     """(M, T, H): the hidden state that predicts each completion token (column P + t is
     predicted from column P + t − 1; zeros past a row's completion).
 
     Rows run in groups of similar completion length (:func:`length_buckets`), each padded only
     to its own longest completion; with ``share_prompts``, each distinct prompt runs once and every
     group continues from the selected rows of that prompt pass.
+
+    ``fixed_calls``: the backbone runs the same number of times whatever the rows — exactly
+    ``max_groups`` group calls (a group the rows do not fill runs one token, its zero added to the
+    result so that its backward runs too), after one prompt pass with ``share_prompts``.  A sharded
+    model needs that: each call all-gathers every layer, and every rank must issue the same
+    collectives in the same order while each groups its own rows.
     """
     backbone = model.get_decoder()
     M, T = input_ids.shape[0], input_ids.shape[1] - P
+    if fixed_calls and T == 0:
+        raise ValueError("fixed_calls needs at least one completion column")
     positions = position_ids_from_mask(attention_mask)
     lengths = attention_mask[:, P:].sum(-1).clamp(min=1).tolist()  # completions are right-padded
     groups = length_buckets(lengths, max_buckets=max_groups) if T > 0 else [list(range(M))]
@@ -173,7 +181,7 @@ def _prediction_states(model, input_ids, attention_mask, P: int, share_prompts: 
     if share_prompts and T > 0:
         prompts = input_ids[:, :P] * attention_mask[:, :P] - (1 - attention_mask[:, :P])  # padding → −1
         unique, inverse = torch.unique(prompts, dim=0, return_inverse=True)
-        if unique.shape[0] < M:
+        if unique.shape[0] < M or fixed_calls:
             from transformers import DynamicCache
 
             rows = torch.arange(M, device=input_ids.device)
@@ -203,6 +211,12 @@ def _prediction_states(model, input_ids, attention_mask, P: int, share_prompts: 
         pieces.append(F.pad(states, (0, 0, 0, T - states.shape[1])))  # (n_g, T, H)
         order += group
     stacked = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+    if fixed_calls:
+        for _ in range(max_groups - len(groups)):  # the calls this rank's rows did not need
+            one = torch.ones(1, 1, dtype=attention_mask.dtype, device=input_ids.device)
+            idle = backbone(inputs_embeds=embeds[:1, P - 1:P], attention_mask=one,
+                            position_ids=torch.zeros_like(one, dtype=torch.long)).last_hidden_state
+            stacked = stacked + idle.sum() * 0.0
     if order == list(range(M)):
         return stacked
     back = torch.empty(M, dtype=torch.long, device=input_ids.device)
@@ -239,6 +253,7 @@ def completion_logprobs(
     share_prompts: bool = True,
     checkpoint_layers: bool = False,
     max_length_groups: int = 4,
+    fixed_calls: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the completion tokens under ``model`` (with gradient when enabled).
 
@@ -262,8 +277,9 @@ def completion_logprobs(
         checkpoint_layers: activation checkpointing of every decoder layer (recomputed in the
             backward; see :mod:`srpo.policies.activation_checkpointing`).  Same values and gradients.
         max_length_groups: most groups of similar completion length (:func:`length_buckets`).
-            With ``share_prompts=False`` and 1 the backbone runs exactly once whatever the batch
-            (what a sharded model needs: see :class:`srpo.parallel.fsdp.LogProbModule`).
+        fixed_calls: run the backbone exactly ``max_length_groups`` times (+ 1 prompt pass with
+            ``share_prompts``) whatever the rows — what a sharded model needs (see
+            :class:`srpo.parallel.fsdp.LogProbModule`).  Same values and gradients.
 
     Returns:
         (M, T) float32 log-probs, 0 off the mask (and the entropies when asked).
@@ -277,7 +293,8 @@ def completion_logprobs(
     from srpo.policies.activation_checkpointing import activation_checkpointing
 
     with activation_checkpointing(model, checkpoint_layers and torch.is_grad_enabled()):
-        states = _prediction_states(model, input_ids, attention_mask, P, share_prompts, max_length_groups)  # (M, T, H)
+        states = _prediction_states(model, input_ids, attention_mask, P, share_prompts, max_length_groups,
+                                    fixed_calls)  # (M, T, H)
     h = states[select]  # (N, H)
     targets = input_ids[:, P:][select]  # (N,)
     softcap = _softcap(model)
