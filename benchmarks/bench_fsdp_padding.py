@@ -16,7 +16,7 @@ with ``train.parallel: fsdp``, one thread per rank, for ``--steps`` steps.  The 
   its KV cache (one more call per pass).
 
 The padding is *measured*, not derived: a forward pre-hook on each policy's decoder adds up, over
-every call of the recompute and update passes of every step on rank 0, the token slots it runs
+every call of the recompute and update passes of every step on both ranks, the token slots it runs
 (rows × new columns) and how many of them are real tokens (the attention mask over those columns).
 Seconds per step: the median of each run's steps after its first (a warm-up), the settings
 alternating round by round; ``time/update_s`` (recompute + update, what the groups change) beside
@@ -41,7 +41,7 @@ SETTINGS = {  # name → (train.length_groups, train.fsdp_share_prompts)
     "groups=1": (1, False),
     "groups=2": (2, False),
     "groups=4": (4, False),
-    "groups=4+prompts": (4, True),
+    "groups=2+prompts": (2, True),
 }
 
 
@@ -65,8 +65,11 @@ def worker(setting: str, steps: int, out: str, run_dir: str, model: str) -> None
     data["log"] = {"tensorboard": False}
     trainer = Trainer(config_from_dict(data), progress=False)
     counts = {"slots": 0, "real": 0, "calls": 0}
+    counting = []  # non-empty inside the log-prob passes (the sampler's prefill calls the decoder too)
 
     def count(_module, _args, kwargs):
+        if not counting:
+            return
         embeds, mask = kwargs["inputs_embeds"], kwargs["attention_mask"]
         rows, cols = embeds.shape[:2]
         counts["slots"] += rows * cols
@@ -76,14 +79,25 @@ def worker(setting: str, steps: int, out: str, run_dir: str, model: str) -> None
     decoders = {id(m.get_decoder()): m.get_decoder() for m in trainer.policies.modules()}
     for decoder in decoders.values():
         decoder.register_forward_pre_hook(count, with_kwargs=True)
+    def counted(fn):
+        def run(*a, **k):
+            counting.append(1)
+            try:
+                return fn(*a, **k)
+            finally:
+                counting.pop()
+        return run
+
+    trainer.update, trainer.recompute_old_logprobs = counted(trainer.update), counted(trainer.recompute_old_logprobs)
     rows = []
     for _ in range(steps):
         before = dict(counts)
         metrics = trainer.train_step()
+        if metrics.get("episodes/failed"):  # the measurement would be of idle passes
+            raise SystemExit(f"episodes failed: {trainer.failure_summary()}")
         rows.append({"step_s": metrics["time/step_s"], "update_s": metrics["time/update_s"],
                      **{k: counts[k] - before[k] for k in counts}})
-    if trainer.backend.rank == 0:
-        Path(out).write_text(json.dumps(rows))
+    Path(f"{out}.rank{trainer.backend.rank}").write_text(json.dumps(rows))
     trainer.close()
     trainer.backend.close()
 
@@ -104,7 +118,9 @@ def launch(setting: str, steps: int, folder: Path, model: str) -> list[dict]:
                            "--run-dir", str(folder / setting), "--model", model], capture_output=True, text=True, env=env, cwd=ROOT)
     if done.returncode != 0:
         raise SystemExit(f"{setting}: exit {done.returncode}\n{done.stderr[-3000:]}")
-    return json.loads(out.read_text())
+    ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
+    # Seconds: rank 0's (the ranks wait for each other every pass); token counts: both ranks'.
+    return [{**a, **{k: a[k] + b[k] for k in ("slots", "real", "calls")}} for a, b in zip(*ranks)]
 
 
 def main() -> None:
@@ -142,7 +158,8 @@ def main() -> None:
         base = base or update_s
         print(f"{s:<18}{1 - real / slots:>9.1%}{slots / len(steps):>12.0f}{sum(x['calls'] for x in steps) / len(steps):>12.1f}"
               f"{update_s:>10.2f}{step_s:>9.2f}{base / update_s:>9.2f}×")
-    print("\npadding: the share of token slots in the log-prob passes (rank 0) that are not real tokens; update ×: "
+    print("\npadding: the share of token slots in the log-prob passes (both ranks) that are not real tokens; slots and "
+          "calls: both ranks; update ×: "
           "the first setting's median update seconds over this one's")
 
 

@@ -535,6 +535,18 @@ def test_length_buckets_cut_padding_and_keep_every_row():
     assert 1 < len(groups) <= 4 and padded < 0.7 * len(lengths) * max(lengths)
     assert length_buckets([10] * 5) == [[0, 1, 2, 3, 4]]  # equal lengths: one pass
     assert length_buckets([]) == []
+    # A team's pass: workers (short prompts) and an aggregator (its prompt holds their answers) with
+    # completions of similar lengths.  Grouped by completion alone they share groups; with the prompt
+    # lengths the aggregator's rows get their own, and the padded tokens (prompt and completion) fall.
+    completions = [20, 22, 24, 21, 23, 20, 22, 24]
+    prompts = [30, 30, 30, 30, 30, 30, 200, 200]
+
+    def padded(groups):
+        return sum(len(g) * (max(prompts[i] for i in g) + max(completions[i] for i in g)) for g in groups)
+
+    by_both = length_buckets(completions, max_buckets=2, prompt_lengths=prompts)
+    assert sorted(map(sorted, by_both)) == [[0, 1, 2, 3, 4, 5], [6, 7]]
+    assert padded(by_both) < 0.5 * padded(length_buckets(completions, max_buckets=2))
 
 
 @pytest.mark.parametrize("share, fixed_calls", [(True, False), (False, False), (True, True), (False, True)])

@@ -108,16 +108,24 @@ def cache_keyword(module) -> str:
     return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
 
-def length_buckets(lengths: list[int], *, max_buckets: int = 4, overhead_tokens: int = 16) -> list[list[int]]:
-    """Group rows of similar completion length so that each group is padded only to its own longest.
+def length_buckets(lengths: list[int], *, max_buckets: int = 4, overhead_tokens: int = 16,
+                   prompt_lengths: list[int] | None = None) -> list[list[int]]:
+    """Group rows of similar length so that each group is padded only to its own longest.
 
     Rows are sorted by length and cut into at most ``max_buckets`` contiguous groups, choosing the
     cuts (by dynamic programming) that minimise padded tokens + ``overhead_tokens`` per extra
     forward pass.  On RL batches (completions from a few tokens to the limit) this removes a
     quarter to a third of the tokens a single padded batch would run.  Returns row indices per group.
+
+    ``lengths`` are completion lengths; with ``prompt_lengths`` (for a pass that runs each row's
+    prompt too, left-padded to the group's longest) rows are sorted by prompt + completion and a
+    group of n rows costs n · (its longest prompt + its longest completion) — a team's roles have
+    prompts of very different lengths (an aggregator's holds the workers' answers).
     """
-    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    prompts = prompt_lengths if prompt_lengths is not None else [0] * len(lengths)
+    order = sorted(range(len(lengths)), key=lambda i: (prompts[i] + lengths[i], lengths[i]))
     L = [lengths[i] for i in order]
+    Q = [prompts[i] for i in order]
     n = len(L)
     if n == 0:
         return []
@@ -128,8 +136,10 @@ def length_buckets(lengths: list[int], *, max_buckets: int = 4, overhead_tokens:
     best[0][0] = 0.0
     for k in range(1, max_buckets + 1):
         for j in range(1, n + 1):
-            for i in range(k - 1, j):
-                cost = best[k - 1][i] + (j - i) * L[j - 1] + overhead_tokens
+            longest_completion = longest_prompt = 0
+            for i in range(j - 1, k - 2, -1):  # the last group is rows i .. j − 1
+                longest_completion, longest_prompt = max(longest_completion, L[i]), max(longest_prompt, Q[i])
+                cost = best[k - 1][i] + (j - i) * (longest_completion + longest_prompt) + overhead_tokens
                 if cost < best[k][j]:
                     best[k][j], cut[k][j] = cost, i
     k = min(range(1, max_buckets + 1), key=lambda kk: best[kk][n])
@@ -172,7 +182,6 @@ def _prediction_states(model, input_ids, attention_mask, P: int, share_prompts: 
         raise ValueError("fixed_calls needs at least one completion column")
     positions = position_ids_from_mask(attention_mask)
     lengths = attention_mask[:, P:].sum(-1).clamp(min=1).tolist()  # completions are right-padded
-    groups = length_buckets(lengths, max_buckets=max_groups) if T > 0 else [list(range(M))]
     cache_kw = cache_keyword(backbone)
     # Embed every token once: each backbone call on token ids would give the embedding matrix its
     # own dense (V, H) gradient to zero-fill and add (~0.1 s each for a 49k × 576 table).
@@ -191,6 +200,9 @@ def _prediction_states(model, input_ids, attention_mask, P: int, share_prompts: 
             prompt_out = backbone(inputs_embeds=embeds[first, :P], attention_mask=attention_mask[first, :P],
                                   position_ids=positions[first, :P], use_cache=True, **{cache_kw: prompt_cache})
             last_prompt_state = prompt_out.last_hidden_state[:, -1]  # (U, H)
+    # Without a shared prompt pass each group runs its rows' prompts too: group by both lengths.
+    prompt_lengths = None if prompt_out is not None else attention_mask[:, :P].sum(-1).clamp(min=1).tolist()
+    groups = length_buckets(lengths, max_buckets=max_groups, prompt_lengths=prompt_lengths) if T > 0 else [list(range(M))]
     pieces, order = [], []
     for group in groups:
         g = torch.tensor(group, device=input_ids.device)
