@@ -166,9 +166,11 @@ def _prediction_states(model, input_ids, attention_mask, P: int, share_prompts: 
     """(M, T, H): the hidden state that predicts each completion token (column P + t is
     predicted from column P + t − 1; zeros past a row's completion).
 
-    Rows run in groups of similar completion length (:func:`length_buckets`), each padded only
-    to its own longest completion; with ``share_prompts``, each distinct prompt runs once and every
-    group continues from the selected rows of that prompt pass.
+    Rows run in groups of similar length (:func:`length_buckets`), each padded only to its own
+    longest row; with ``share_prompts`` (and a prompt that rows share), each distinct prompt runs
+    once and every group — of similar completion length — continues from the selected rows of that
+    prompt pass; otherwise each group runs its rows' prompts too and is cut by prompt + completion
+    length.
 
     ``fixed_calls``: the backbone runs the same number of times whatever the rows — exactly
     ``max_groups`` group calls (a group the rows do not fill runs one token, its zero added to the
