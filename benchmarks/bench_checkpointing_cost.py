@@ -1,0 +1,76 @@
+"""What activation checkpointing costs on benchmark 1's work (bench_vs_trl.py, srpo forwarding every
+event), separated from glibc's mmap threshold that srpo fixes at 8 MiB when checkpointing is on.
+
+    python benchmarks/bench_checkpointing_cost.py --rounds 2
+
+Four settings, alternating round by round, each a fresh process of `bench_vs_trl.run_ours` (6 steps,
+2 threads, the first step dropped): checkpointing on (srpo's CPU default: the threshold fixed at
+8 MiB), on with the threshold at 1 GiB (``MALLOC_MMAP_THRESHOLD_``: large blocks stay in the heap),
+off (glibc's dynamic threshold), off with the threshold at 8 MiB.  Printed per run: median seconds
+per step and per update, and the process's peak resident memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+VARIANTS = {  # name → (train.activation_checkpointing, extra environment)
+    "on (default)": (True, {}),
+    "on, threshold 1 GiB": (True, {"MALLOC_MMAP_THRESHOLD_": str(1 << 30)}),
+    "off": (False, {}),
+    "off, threshold 8 MiB": (False, {"MALLOC_MMAP_THRESHOLD_": str(8 << 20)}),
+}
+
+
+def child(checkpointing: bool, steps: int, threads: int) -> None:
+    import resource
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import bench_vs_trl
+
+    import srpo.build
+
+    plain = srpo.build.config_from_dict
+
+    def with_checkpointing(data, **kw):
+        data.setdefault("train", {})["activation_checkpointing"] = checkpointing
+        return plain(data, **kw)
+
+    srpo.build.config_from_dict = with_checkpointing  # run_ours imports it at call time
+    res = bench_vs_trl.run_ours(steps, threads, skip_zero_advantage=False)
+    print("RESULT " + json.dumps({"step_s": res["step_s"][1:], "update_s": res["update_s"][1:],
+                                  "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--child", choices=["on", "off"])
+    args = ap.parse_args()
+    if args.child:
+        child(args.child == "on", args.steps, args.threads)
+        return
+    print(f"{'round':<6}{'setting':<24}{'step s':>8}{'update s':>10}{'peak GB':>9}")
+    for r in range(args.rounds):
+        for name, (on, extra) in VARIANTS.items():
+            env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), **extra}
+            out = subprocess.run([sys.executable, __file__, "--child", "on" if on else "off", "--steps", str(args.steps),
+                                  "--threads", str(args.threads)], capture_output=True, text=True, env=env)
+            line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+            if out.returncode or not line:
+                raise SystemExit(f"{name} failed:\n{out.stderr[-3000:]}")
+            d = json.loads(line[-1][len("RESULT "):])
+            print(f"{r + 1:<6}{name:<24}{statistics.median(d['step_s']):>8.2f}{statistics.median(d['update_s']):>10.2f}"
+                  f"{d['peak_rss_gb']:>9.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
