@@ -284,6 +284,9 @@ def _check_capabilities(cfg: Config) -> None:
         raise ConfigError(f"rollout.sleep_during_update: the {r.engine} engine releases its memory during updates on "
                           f"{where} (run.device: {cfg.run.device}); vLLM's sleep mode needs a CUDA device — the CPU "
                           f"build does not offer it")
+    if cfg.train.fsdp_share_prompts and not backend_.shards_parameters:
+        raise ConfigError(f"train.fsdp_share_prompts: a sharded backend's setting (train.parallel: fsdp); "
+                          f"{cfg.train.parallel} always shares prompts in its log-prob passes")
     if r.max_staleness and backend_.shards_parameters and not engine_.holds_own_weights:
         raise ConfigError(f"rollout.max_staleness: 1 with train.parallel: {cfg.train.parallel} needs an engine that "
                           f"holds its own copy of the weights (rollout.engine: vllm) — the {r.engine} sampler would "

@@ -343,6 +343,8 @@ def test_recipe_an_engine_a_backend_and_a_tracker_train_by_import_path(mypkg, tm
         load_config(None, tiny(tmp_path, "rollout.engine=srpo.methods:Method"))
     with pytest.raises(ConfigError, match="train.parallel: unknown parallel backend 'tp'; valid: .*ddp, fsdp"):
         load_config(None, tiny(tmp_path, "train.parallel=tp"))
+    with pytest.raises(ConfigError, match="train.fsdp_share_prompts: a sharded backend's setting"):
+        load_config(None, tiny(tmp_path, "train.fsdp_share_prompts=true"))  # ddp, by what it declares
 
 
 def test_config_checks_ask_an_engine_s_capabilities():
