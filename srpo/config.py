@@ -287,8 +287,10 @@ class TrainConfig(Section):
     update's memory drops to near the weights + optimizer state).  Works with the shared-prompt KV
     reuse and with FSDP.  On a CPU it also fixes glibc's mmap threshold at 8 MiB so that freed
     activations return to the OS.  auto: on for run.device cpu, where benchmarks/bench_memory.py
-    measured it at no step-time cost (0.98×) and 0.61× the peak memory; off on CUDA, where its cost
-    has not been measured here."""
+    measured it at no step-time cost on the demo's team (0.98×) and 0.61× the peak memory — but on
+    single-agent GRPO with every event forwarded it made the update 1.3–1.6× slower for 0.8× the
+    peak (benchmarks/bench_checkpointing_cost.py): set false where speed matters more than memory;
+    off on CUDA, where its cost has not been measured here."""
     chunk_tokens: PositiveInt = 1024
     """Positions per vocabulary-projection chunk in the log-prob pass."""
     length_groups: PositiveInt | None = None
