@@ -291,8 +291,9 @@ def test_a_batch_does_not_wait_long_for_a_busy_program(max_wait_s):
                                                                  for i in range(3)]
     results = runtime.run(agent, [(f"e{i}", t) for i, t in enumerate(tasks)])
     assert not runtime.failures and len(results) == 4
-    if max_wait_s < 3.0:  # the three quick episodes are served while the slow one is still busy
-        assert policies.calls == [3, 1], policies.calls
+    if max_wait_s < 3.0:  # the quick episodes are served while the slow one is still busy (in one batch
+        # on a quiet machine; a loaded one may split them, never join the slow call to them)
+        assert policies.calls[-1] == 1 and len(policies.calls) >= 2 and sum(policies.calls) == 4, policies.calls
     else:  # they wait for it: one batch
         assert policies.calls == [4], policies.calls
 
