@@ -49,9 +49,10 @@ class LogProbModule(nn.Module):
 
     Each backbone call all-gathers every layer, and ranks must issue the same collectives in the
     same order, so every pass makes the same number of backbone calls whatever its rows
-    (``fixed_calls``): ``length_groups`` groups of similar completion length — each rank groups
-    its own rows, and a group it cannot fill runs one token — after one prompt pass when
-    ``share_prompts``.  Nothing about the other ranks' rows is needed to agree."""
+    (``fixed_calls``): ``length_groups`` groups of similar length (prompt + completion; completion
+    alone after a shared prompt pass) — each rank groups its own rows, and a group it cannot fill
+    runs one token — after one prompt pass when ``share_prompts``.  Nothing about the other ranks'
+    rows is needed to agree."""
 
     def __init__(self, model: nn.Module, length_groups: int = 1, share_prompts: bool = False):
         super().__init__()

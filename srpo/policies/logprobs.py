@@ -290,7 +290,7 @@ def completion_logprobs(
             one event, usually share a prompt).  Same values and gradients as the plain pass.
         checkpoint_layers: activation checkpointing of every decoder layer (recomputed in the
             backward; see :mod:`srpo.policies.activation_checkpointing`).  Same values and gradients.
-        max_length_groups: most groups of similar completion length (:func:`length_buckets`).
+        max_length_groups: most groups of similar length (:func:`length_buckets`).
         fixed_calls: run the backbone exactly ``max_length_groups`` times (+ 1 prompt pass with
             ``share_prompts``) whatever the rows — what a sharded model needs (see
             :class:`srpo.parallel.fsdp.LogProbModule`).  Same values and gradients.
