@@ -84,21 +84,39 @@ def _can_pack(device: torch.device) -> bool:
 class PackedLinears:
     """Every projection of the model packed once into oneDNN's layout, for one sampling call.
 
+    Projections that read the same input are packed as one matrix — a layer's query, key and
+    value projections, and its gate and up projections — so a token step makes 4 matmuls a layer
+    instead of 7, casts each input once, and streams the weights in fewer, longer reads (the
+    step is bound by reading the weights from memory).  Each output column is still the same dot
+    product over the same inputs, so the bits equal the separate matmuls' (tested).
+
     ``dtype`` is the matmul dtype: the autocast dtype under CPU autocast, else the weights' own.
     Inputs are cast to it, as autocast casts them for ``F.linear``.
     """
 
-    def __init__(self, modules, dtype: torch.dtype, batch_hint: int):
+    def __init__(self, groups, dtype: torch.dtype, batch_hint: int):
         self.dtype = dtype
         self.packed = {}
-        for m in modules:
-            w = m.weight.detach().to(dtype)
-            b = None if m.bias is None else m.bias.detach().to(dtype)
-            self.packed[id(m)] = (torch.ops.mkldnn._reorder_linear_weight(w, batch_hint), b)
+        for modules in groups:
+            w = torch.cat([m.weight.detach() for m in modules]).to(dtype)
+            b = None
+            if any(m.bias is not None for m in modules):
+                b = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.weight.shape[0])
+                               for m in modules]).to(dtype)
+            sizes = [m.weight.shape[0] for m in modules]
+            self.packed[tuple(id(m) for m in modules)] = (torch.ops.mkldnn._reorder_linear_weight(w, batch_hint), b, sizes)
 
-    def __call__(self, x: torch.Tensor, module) -> torch.Tensor:
-        w, b = self.packed[id(module)]
-        return torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), w, b, "none", [], "")
+    def __call__(self, x: torch.Tensor, *modules) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """``x`` through ``modules`` (a group packed together): one output, or one per module."""
+        w, b, sizes = self.packed[tuple(id(m) for m in modules)]
+        out = torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), w, b, "none", [], "")
+        return out if len(modules) == 1 else out.split(sizes, dim=-1)
+
+
+def _plain_linears(x: torch.Tensor, *modules) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """The unpacked counterpart of :class:`PackedLinears`: ``F.linear`` on the live weights."""
+    outs = tuple(F.linear(x, m.weight, m.bias) for m in modules)
+    return outs[0] if len(outs) == 1 else outs
 
 
 @dataclass
@@ -146,11 +164,13 @@ class FastDecoder:
         return weight * x32.to(x.dtype)
 
     def _projections(self):
+        """The projections in the groups that are packed together (those that read one input)."""
         model = self.model.model
         for layer in model.layers:
             att, mlp = layer.self_attn, layer.mlp
-            yield from (att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-        yield self.model.lm_head
+            yield from ((att.q_proj, att.k_proj, att.v_proj), (att.o_proj,), (mlp.gate_proj, mlp.up_proj),
+                        (mlp.down_proj,))
+        yield (self.model.lm_head,)
 
     def _pack(self, batch: int) -> PackedLinears | None:
         """Pack the projections for this call when oneDNN can and the matmul dtype allows it."""
@@ -210,13 +230,12 @@ class FastDecoder:
         cos, sin = model.rotary_emb(x[:, None], positions[:, None])  # (B, 1, D) each
         cos, sin = cos[:, None], sin[:, None]  # (B, 1, 1, D): broadcast over heads
         mask = valid[:, None, None, :col + 1]  # (B, 1, 1, col + 1)
-        linear = state.linears or (lambda h, m: F.linear(h, m.weight, m.bias))
+        linear = state.linears or _plain_linears
         for layer, kb, vb in zip(model.layers, state.keys, state.values):
             att, mlp = layer.self_attn, layer.mlp
             h = self._rms(x, layer.input_layernorm.weight)
-            q = linear(h, att.q_proj).view(B, Hq, 1, D)
-            k = linear(h, att.k_proj).view(B, Hkv, 1, D)
-            v = linear(h, att.v_proj).view(B, Hkv, 1, D)
+            q, k, v = linear(h, att.q_proj, att.k_proj, att.v_proj)
+            q, k, v = q.reshape(B, Hq, 1, D), k.reshape(B, Hkv, 1, D), v.reshape(B, Hkv, 1, D)
             q = q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
             k = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
             kb[:, :, col:col + 1] = k
@@ -230,8 +249,7 @@ class FastDecoder:
                     kb[:, :, :col + 1], vb[:, :, :col + 1], attn_mask=mask, scale=D ** -0.5)  # (B, Hkv, G, D)
             x = x + linear(out.reshape(B, Hq * D), att.o_proj)
             h = self._rms(x, layer.post_attention_layernorm.weight)
-            gate = linear(h, mlp.gate_proj)
-            up = linear(h, mlp.up_proj)
+            gate, up = linear(h, mlp.gate_proj, mlp.up_proj)
             x = x + linear(F.silu(gate) * up, mlp.down_proj)
         state.length = col + 1
         h = self._rms(x, model.norm.weight)
