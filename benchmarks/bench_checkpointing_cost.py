@@ -1,7 +1,11 @@
-"""What activation checkpointing costs on benchmark 1's work (bench_vs_trl.py, srpo forwarding every
-event), separated from glibc's mmap threshold that srpo fixes at 8 MiB when checkpointing is on.
+"""What activation checkpointing costs on benchmark 1's work (bench_vs_trl.py), separated from glibc's
+mmap threshold that srpo fixes at 8 MiB when checkpointing is on.
 
-    python benchmarks/bench_checkpointing_cost.py --rounds 2
+    python benchmarks/bench_checkpointing_cost.py --rounds 2                      # every event forwarded
+    python benchmarks/bench_checkpointing_cost.py --rounds 2 --work default --only "on (default)" off
+
+``--work forward-all`` (the default) is srpo forwarding every event, as TRL does; ``--work default``
+is srpo as configured by default (zero-advantage events skipped: smaller update passes).
 
 Four settings, alternating round by round, each a fresh process of `bench_vs_trl.run_ours` (6 steps,
 2 threads, the first step dropped): checkpointing on (srpo's CPU default: the threshold fixed at
@@ -28,7 +32,7 @@ VARIANTS = {  # name → (train.activation_checkpointing, extra environment)
 }
 
 
-def child(checkpointing: bool, steps: int, threads: int) -> None:
+def child(checkpointing: bool, steps: int, threads: int, forward_all: bool) -> None:
     import resource
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -43,7 +47,7 @@ def child(checkpointing: bool, steps: int, threads: int) -> None:
         return plain(data, **kw)
 
     srpo.build.config_from_dict = with_checkpointing  # run_ours imports it at call time
-    res = bench_vs_trl.run_ours(steps, threads, skip_zero_advantage=False)
+    res = bench_vs_trl.run_ours(steps, threads, skip_zero_advantage=not forward_all)
     print("RESULT " + json.dumps({"step_s": res["step_s"][1:], "update_s": res["update_s"][1:],
                                   "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
 
@@ -53,17 +57,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--work", choices=["forward-all", "default"], default="forward-all")
+    ap.add_argument("--only", nargs="+", choices=list(VARIANTS), help="run only these settings")
     ap.add_argument("--child", choices=["on", "off"])
     args = ap.parse_args()
     if args.child:
-        child(args.child == "on", args.steps, args.threads)
+        child(args.child == "on", args.steps, args.threads, args.work == "forward-all")
         return
-    print(f"{'round':<6}{'setting':<24}{'step s':>8}{'update s':>10}{'peak GB':>9}")
+    print(f"work: {args.work}\n{'round':<6}{'setting':<24}{'step s':>8}{'update s':>10}{'peak GB':>9}")
     for r in range(args.rounds):
         for name, (on, extra) in VARIANTS.items():
+            if args.only and name not in args.only:
+                continue
             env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), **extra}
             out = subprocess.run([sys.executable, __file__, "--child", "on" if on else "off", "--steps", str(args.steps),
-                                  "--threads", str(args.threads)], capture_output=True, text=True, env=env)
+                                  "--threads", str(args.threads), "--work", args.work],
+                                 capture_output=True, text=True, env=env)
             line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
             if out.returncode or not line:
                 raise SystemExit(f"{name} failed:\n{out.stderr[-3000:]}")

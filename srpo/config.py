@@ -281,7 +281,8 @@ class TrainConfig(Section):
     (0: off; typical 2).  For an inference engine whose log-probs differ from the trainer's; needs
     old_logprobs: recompute."""
     max_nonfinite_steps: PositiveInt = 3
-    """Stop (with a checkpoint) after this many consecutive steps with NaN/Inf loss or gradients."""
+    """Stop (with a checkpoint) after this many consecutive steps with NaN/Inf loss or gradients (each
+    such step is skipped, the weights untouched); RL training and ``srpo sft`` alike."""
     activation_checkpointing: Literal["auto"] | bool = "auto"
     """Recompute each decoder layer's activations in the backward instead of keeping them (the
     update's memory drops to near the weights + optimizer state).  Works with the shared-prompt KV

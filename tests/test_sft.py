@@ -154,6 +154,45 @@ def test_a_stopped_fine_tuning_resumes_where_it_stopped_bit_identically(tmp_path
     assert [r["step"] for r in rows] == list(range(1, 10))
 
 
+def test_a_nan_fine_tuning_step_is_skipped_and_repeated_ones_stop_with_a_checkpoint(tmp_path):
+    """A NaN loss leaves the weights as they were (the step is skipped, counted in metrics.jsonl);
+    train.max_nonfinite_steps of them in a row stop the fine-tuning with a checkpoint."""
+    from srpo import build
+    from srpo.apps.sft import examples_from
+    from srpo.train import TrainingStopped
+    from srpo.train.supervised import SupervisedTrainer
+
+    episodes = [{"turns": [{"role": "answerer", "input": f"q{i}?", "output": f"<answer>{i}</answer>"}]} for i in range(4)]
+    cfg = load_config(SEARCH_TEAM, sft_overrides(tmp_path, "sft.data=unused", "sft.epochs=6", "sft.lr=0.01",
+                                                 "sft.batch_size=2", "train.max_nonfinite_steps=2"))
+    team = build.team(cfg)
+    trainer = SupervisedTrainer(cfg, examples_from(episodes, team.role_specs, team.policies.tokenizer), team.policies,
+                                tmp_path / "sft", artefacts=(), progress=False)
+    logprobs, calls = trainer.policies.logprobs, []
+
+    def poisoned(*args, **kwargs):  # steps 2, 4, 5, ...: the model "emits" NaN log-probs
+        calls.append(1)
+        out = logprobs(*args, **kwargs)
+        return out * float("nan") if trainer.step + 1 in (2, 4, 5, 6) else out
+
+    trainer.policies.logprobs = poisoned
+    weights = {}
+
+    def snapshot(row):
+        weights[trainer.step] = [p.detach().clone() for p in trainer.policies.parameters("shared")]
+
+    with pytest.raises(TrainingStopped, match="2 consecutive fine-tuning steps had NaN/Inf"):
+        trainer.fit(on_step=snapshot)
+    assert trainer.step == 5  # 1 good, 2 NaN (skipped), 3 good, 4 and 5 NaN: stopped
+    for step in (2, 4, 5):  # a skipped step changed nothing
+        assert all(torch.equal(a, b) for a, b in zip(weights[step], weights[step - 1]))
+    assert not all(torch.equal(a, b) for a, b in zip(weights[3], weights[2]))
+    assert all(bool(torch.isfinite(p).all()) for p in trainer.policies.parameters("shared"))
+    rows = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["nonfinite_skipped"] for r in rows] == [0, 1, 0, 1, 1]
+    assert (tmp_path / "sft" / "checkpoints" / "step_0000005").is_dir()  # saved before stopping
+
+
 def test_transcript_turns_by_input_or_by_prompt_give_the_runtime_s_prompts(tmp_path):
     from srpo import build
     from srpo.apps.sft import examples_from

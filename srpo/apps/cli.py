@@ -307,7 +307,13 @@ def _sft(args) -> int:
     cfg = load_config(args.config, args.set)
     check_sft_config(cfg)  # before any model loads
     preemption.install(cfg.run.preempt_grace_s)
-    model = run_sft(cfg, overwrite=args.overwrite, resume=args.resume)
+    from srpo.train import TrainingStopped
+
+    try:
+        model = run_sft(cfg, overwrite=args.overwrite, resume=args.resume)
+    except TrainingStopped as err:  # NaN/Inf steps in a row: stopped with a checkpoint, as srpo train does
+        print(f"fine-tuning stopped: {err}", file=sys.stderr)
+        return 3
     print(f"done: fine-tuned weights in {model}; evaluate them with srpo eval --model {model.parent} --data ...; "
           f"start RL from them with --set model.init_from={model} (same model.layout: {cfg.model.layout})")
     return 0

@@ -27,7 +27,8 @@ from srpo.data import DataCursor
 from srpo.runs import preemption
 from srpo.runs.checkpoint import rng_state, set_rng_state
 from srpo.train import memory, state
-from srpo.train.update import load_optimization_state, optimization_state
+from srpo.train.state import TrainingStopped
+from srpo.train.update import guarded_optimizer_step, load_optimization_state, optimization_state
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ class SupervisedTrainer:
         self.steps_per_epoch = math.ceil(len(examples) / s.batch_size)
         self.target_steps = s.epochs * self.steps_per_epoch
         self.step = 0
+        self.nonfinite_in_a_row = 0  # consecutive steps whose loss or gradients were NaN/Inf (skipped)
         self.data_fingerprint = {"sft.examples": examples_fingerprint(examples)}
         self.allow_data_change = allow_data_change
         self.claimed = True  # the caller claimed the folder
@@ -107,12 +109,13 @@ class SupervisedTrainer:
         rng_plain, rng_tensors = rng_state()
         return {"tensors": {**optimization_state(self.optimizers, self.schedulers, self.backend), "rng": rng_tensors},
                 "plain": {"step": self.step, "data": self.data.state_dict(), "rng": rng_plain,
-                          "data_fingerprint": self.data_fingerprint}}
+                          "data_fingerprint": self.data_fingerprint, "nonfinite_in_a_row": self.nonfinite_in_a_row}}
 
     def load_state_dict(self, checkpoint: dict[str, dict[str, Any]]) -> None:
         tensors, plain = checkpoint["tensors"], checkpoint["plain"]
         load_optimization_state(self.optimizers, self.schedulers, self.backend, tensors)
         self.step = plain["step"]
+        self.nonfinite_in_a_row = plain.get("nonfinite_in_a_row", 0)  # absent in checkpoints before 2026-12-02
         self.data.load_state_dict(plain["data"])
         set_rng_state(plain["rng"], tensors["rng"])
 
@@ -145,22 +148,23 @@ class SupervisedTrainer:
                 nll = -(lp * mask).sum()
                 (nll / tokens).backward()  # the global batch's mean token loss
                 loss_sum += nll.detach().float().cpu()
-        max_norm = self.cfg.train.max_grad_norm or float("inf")
-        for pid, opt in self.optimizers.items():
-            params = self.policies.parameters(pid)
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            self.backend.reduce_gradients(params)
-            torch.nn.utils.clip_grad_norm_(params, max_norm)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        # A NaN/Inf loss or gradient (on any rank) skips the optimizer step: the weights stay as they were.
+        norms = guarded_optimizer_step(self.policies, self.optimizers, self.backend, loss_sum,
+                                       self.cfg.train.max_grad_norm)
+        if norms is None:
+            self.nonfinite_in_a_row += 1
+            log.warning("sft step %d: non-finite loss or gradient: optimizer step skipped (%d in a row)",
+                        self.step + 1, self.nonfinite_in_a_row)
+        else:
+            self.nonfinite_in_a_row = 0
         lr = self.schedulers[self.policies.policy_ids[0]].get_last_lr()[0]
         for sched in self.schedulers.values():
             sched.step()
         self.step += 1
         metrics = {"loss": float(self.backend.sum_(loss_sum)) / tokens, "tokens": float(tokens),
                    "epoch": float((self.step - 1) // self.steps_per_epoch), "lr": lr,
+                   "nonfinite_skipped": float(norms is None),
+                   **{f"grad_norm/{pid}": v for pid, v in (norms or {}).items()},
                    "time/step_s": time.perf_counter() - started, **memory.memory_metrics(self.device)}
         self.logger.log(self.step, metrics)
         return metrics
@@ -188,6 +192,12 @@ class SupervisedTrainer:
                 if every and self.step % every == 0:
                     self.save()
                     saved_at = self.step
+                if self.nonfinite_in_a_row >= self.cfg.train.max_nonfinite_steps:
+                    where = self.save()
+                    raise TrainingStopped(
+                        f"{self.nonfinite_in_a_row} consecutive fine-tuning steps had NaN/Inf loss or gradients "
+                        f"(train.max_nonfinite_steps); stopped after step {self.step} (checkpoint: {where}). "
+                        f"Lower sft.lr or check the examples.")
                 signal_name = preemption.check(self.backend)
                 if signal_name is not None:  # a safe point: the weights are whole after an optimizer step
                     where = self.save() if saved_at != self.step else self.run_dir / "checkpoints"

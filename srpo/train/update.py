@@ -265,34 +265,46 @@ class PolicyUpdate:
 
     def _optimizer_step(self, loss: torch.Tensor, grad_norms: dict[str, float]) -> int:
         """Sum gradients across ranks, check them, clip and step each policy; 1 if skipped."""
-        for pid in self.policies.policy_ids:
-            params = self.policies.parameters(pid)
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            self.backend.reduce_gradients(params)
-        # Clip first: the total norm is non-finite exactly when some gradient is (or the norm
-        # overflows float32, which counts as exploded too) — no separate pass over every gradient.
-        # A skipped step throws the clipped gradients away.
-        max_norm = self.cfg.train.max_grad_norm if self.cfg.train.max_grad_norm > 0 else float("inf")
-        norms = {pid: global_norm_value(torch.nn.utils.clip_grad_norm_(self.policies.parameters(pid), max_norm))
-                 for pid in self.policies.policy_ids}
-        finite = bool(torch.isfinite(loss)) and all(bool(torch.isfinite(n)) for n in norms.values())
-        finite = self.backend.sum_int(int(not finite)) == 0
-        if not finite:
-            for opt in self.optimizers.values():
-                opt.zero_grad(set_to_none=True)
+        norms = guarded_optimizer_step(self.policies, self.optimizers, self.backend, loss, self.cfg.train.max_grad_norm)
+        if norms is None:
             self.nonfinite_in_a_row += 1
             self.totals["nonfinite_steps"] += 1
             log.warning("non-finite loss or gradient: optimizer step skipped (%d in a row)", self.nonfinite_in_a_row)
             return 1
         self.nonfinite_in_a_row = 0
-        for pid, opt in self.optimizers.items():
-            grad_norms[pid] = float(norms[pid])
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        grad_norms.update(norms)
+        for pid in self.optimizers:
             self.policies.bump_version(pid)
         return 0
+
+
+def guarded_optimizer_step(policies, optimizers: dict, backend, loss: torch.Tensor,
+                           max_grad_norm: float) -> dict[str, float] | None:
+    """Sum every policy's gradients across ranks, clip them to ``max_grad_norm`` (0: no clipping)
+    and step its optimizer — unless the loss or some gradient is NaN/Inf on any rank: then every
+    rank drops its gradients, steps nothing and returns None (weights untouched).  Returns the
+    gradient norm of each policy before clipping.  Used by the RL update and by ``srpo sft``."""
+    for pid in policies.policy_ids:
+        params = policies.parameters(pid)
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        backend.reduce_gradients(params)
+    # Clip first: the total norm is non-finite exactly when some gradient is (or the norm
+    # overflows float32, which counts as exploded too) — no separate pass over every gradient.
+    # A skipped step throws the clipped gradients away.
+    max_norm = max_grad_norm if max_grad_norm > 0 else float("inf")
+    norms = {pid: global_norm_value(torch.nn.utils.clip_grad_norm_(policies.parameters(pid), max_norm))
+             for pid in policies.policy_ids}
+    finite = bool(torch.isfinite(loss)) and all(bool(torch.isfinite(n)) for n in norms.values())
+    if backend.sum_int(int(not finite)) != 0:
+        for opt in optimizers.values():
+            opt.zero_grad(set_to_none=True)
+        return None
+    for opt in optimizers.values():
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {pid: float(norms[pid]) for pid in optimizers}
 
 
 def optimization_state(optimizers: dict, schedulers: dict, backend) -> dict[str, dict]:
