@@ -17,6 +17,8 @@ def test_train_eval_report_roundtrip(tmp_path, capsys):
                  # events would leave no ratio/clip diagnostics for the report to plot.
                  "--set", "train.skip_zero_advantage=false"])
     assert code == 0
+    out = capsys.readouterr().out
+    assert "memory: this run needs at least" in out.split("memory: peak")[0]  # said before the steps, then the peak
     assert (run / "checkpoints" / "latest").is_file()
     code = main(["eval", "--model", str(run / "checkpoints"), "--workflow", "parallel_aggregate",
                  "--options", '{"num_workers": 2}', "--data", "synthetic_arithmetic:level=1:n=3:seed=5",

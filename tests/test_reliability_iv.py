@@ -176,3 +176,26 @@ def test_a_run_logs_its_peak_memory_and_states_it_against_the_floor(tmp_path):
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     assert floor == 16 * n + buffers  # float32 weights, gradients and two AdamW moments (+ rotary tables)
     assert f"the floor of {floor / 2**20:.1f} MB (weights" in trainer.memory_summary()  # the tiny model: MB
+
+
+def test_a_run_says_what_it_needs_before_its_first_step_and_warns_when_that_cannot_fit(tmp_path, monkeypatch):
+    from srpo.train import memory
+
+    trainer = trained(tmp_path / "run", ["run.steps=1"])
+    floor = memory.floor_bytes(trainer.policies.modules(), trainer.optimizers.values())
+    line, fits = trainer.memory_preflight()
+    assert fits and f"needs at least {memory.human(floor)} (weights, gradients, AdamW moments)" in line
+    assert "of memory is free now" in line and memory.available_bytes() > floor
+    monkeypatch.setattr(memory, "available_bytes", lambda device=None: floor // 2)  # a machine too small
+    line, fits = trainer.memory_preflight()
+    assert not fits and "the floor alone does not fit" in line and "model.layout: lora" in line
+    monkeypatch.setattr(memory, "available_bytes", lambda device=None: None)  # nothing readable: no claim
+    line, fits = trainer.memory_preflight()
+    assert fits and "free" not in line
+
+
+def test_a_cgroup_limit_caps_the_memory_said_to_be_free(monkeypatch):
+    from srpo.train import memory
+
+    monkeypatch.setattr(memory, "_cgroup_room", lambda: 12345)
+    assert memory.available_bytes() == 12345

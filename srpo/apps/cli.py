@@ -39,6 +39,9 @@ def _train(args) -> int:
     _maybe_init_distributed(cfg.run.device, cfg.run.collective_timeout_s)
     trainer = Trainer(cfg, overwrite=args.overwrite, allow_data_change=args.allow_data_change)
     code = 0
+    if trainer.backend.rank == 0:
+        line, fits = trainer.memory_preflight()
+        print(line if fits else f"warning: {line}", file=sys.stdout if fits else sys.stderr)
     try:
         if args.resume and not trainer.resume():
             print(f"no checkpoint in {cfg.run.output_dir}; starting from step 0", file=sys.stderr)

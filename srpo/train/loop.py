@@ -407,6 +407,25 @@ class Trainer:
         failing = failed > self.cfg.run.max_failed_fraction * max(metrics.get("episodes", 0.0), 1.0)
         self.totals["failing_steps_in_a_row"] = self.totals["failing_steps_in_a_row"] + 1 if failing else 0
 
+    def memory_preflight(self) -> tuple[str, bool]:
+        """Before the first step: the floor this run needs (weights, gradients, AdamW moments, this
+        process's share) against what the machine has free now — and whether the floor alone fits.
+        Activations, the rollout's KV cache and the allocator's slack come on top (the peak is
+        printed at the end)."""
+        floor = memory.floor_bytes(self.policies.modules(), self.optimizers.values())
+        device = build.device(self.cfg)
+        free = memory.available_bytes(device)
+        where = "GPU" if device.type == "cuda" else "memory"
+        text = f"memory: this run needs at least {memory.human(floor)} (weights, gradients, AdamW moments)"
+        if free is None:
+            return text, True
+        fits = floor < free
+        text += f"; {memory.human(free)} of {where} is free now"
+        if not fits:
+            text += (" — the floor alone does not fit: the run will be killed for memory. Train LoRA adapters "
+                     "(model.layout: lora), a smaller model, or shard it (train.parallel: fsdp)")
+        return text, fits
+
     def memory_summary(self) -> str:
         """One line: the run's peak memory against its floor (weights, gradients, AdamW moments)."""
         floor = memory.floor_bytes(self.policies.modules(), self.optimizers.values())

@@ -4,7 +4,9 @@
   set so far: Linux's VmHWM, else ``getrusage``), ``memory/rss_gb`` (now) and, on CUDA,
   ``memory/gpu_peak_gb`` (the allocator's peak since the run started);
 - :func:`floor_bytes` — the floor: every weight at its dtype, plus a gradient and AdamW's two
-  moments for every trainable parameter (what full training needs before any activation).
+  moments for every trainable parameter (what full training needs before any activation);
+- :func:`available_bytes` — what the machine could still give: the GPU's free memory, or the
+  kernel's ``MemAvailable`` (within a cgroup's limit when one is set).
 """
 
 from __future__ import annotations
@@ -57,14 +59,50 @@ def memory_metrics(device: torch.device | None = None) -> dict[str, float]:
     return out
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of a tensor (a sharded DTensor's local shard)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def floor_bytes(modules, optimizers) -> int:
     """Weights (each module's parameters and buffers, shared tensors once) + for every parameter an
-    optimizer updates: its gradient and two AdamW moments in its dtype."""
+    optimizer updates: its gradient and two AdamW moments in its dtype — this process's share of
+    them under a backend that shards parameters."""
     seen, total = set(), 0
     for module in modules:
         for t in [*module.parameters(), *module.buffers()]:
+            t = _local(t)
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()
-    trained = {id(p): p for opt in optimizers for group in opt.param_groups for p in group["params"]}
+    trained = {id(p): _local(p) for opt in optimizers for group in opt.param_groups for p in group["params"]}
     return total + sum(3 * p.numel() * p.element_size() for p in trained.values())
+
+
+def _cgroup_room() -> int | None:
+    """Bytes left under this process's cgroup (v2) memory limit, or None when there is none."""
+    try:
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        used = int(open("/sys/fs/cgroup/memory.current").read().strip())
+    except (OSError, ValueError):
+        return None
+    return None if limit == "max" else max(int(limit) - used, 0)
+
+
+def available_bytes(device: torch.device | None = None) -> int | None:
+    """Memory the run could still take: the GPU's free memory on CUDA, else the kernel's
+    MemAvailable (capped by a cgroup limit); None where neither can be read."""
+    if device is not None and device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.mem_get_info(device)[0]
+    room = None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    room = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    cgroup = _cgroup_room()
+    if cgroup is not None:
+        room = cgroup if room is None else min(room, cgroup)
+    return room
