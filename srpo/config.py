@@ -287,11 +287,11 @@ class TrainConfig(Section):
     """Recompute each decoder layer's activations in the backward instead of keeping them (the
     update's memory drops to near the weights + optimizer state).  Works with the shared-prompt KV
     reuse and with FSDP.  On a CPU it also fixes glibc's mmap threshold at 8 MiB so that freed
-    activations return to the OS.  auto: on for run.device cpu, where benchmarks/bench_memory.py
-    measured it at no step-time cost on the demo's team (0.98×) and 0.61× the peak memory — but on
-    single-agent GRPO with every event forwarded it made the update 1.3–1.6× slower for 0.8× the
-    peak (benchmarks/bench_checkpointing_cost.py): set false where speed matters more than memory;
-    off on CUDA, where its cost has not been measured here."""
+    activations return to the OS.  auto: on for run.device cpu — memory first: on the demo's team
+    it cost no measurable step time (0.98×) for 0.61× the peak (benchmarks/bench_memory.py); on
+    single-agent GRPO it costs the update 1.2–1.6× and is what keeps the peak at ≤ 0.75× TRL's
+    (0.71–0.74× on, 0.89–0.93× off; benchmarks/bench_checkpointing_cost.py): set false where speed
+    matters more than memory.  Off on CUDA, where its cost has not been measured here."""
     chunk_tokens: PositiveInt = 1024
     """Positions per vocabulary-projection chunk in the log-prob pass."""
     length_groups: PositiveInt | None = None
