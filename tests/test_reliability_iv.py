@@ -194,8 +194,14 @@ def test_a_run_says_what_it_needs_before_its_first_step_and_warns_when_that_cann
     assert fits and "free" not in line
 
 
-def test_a_cgroup_limit_caps_the_memory_said_to_be_free(monkeypatch):
+def test_a_cgroup_limit_caps_the_memory_said_to_be_free(monkeypatch, tmp_path):
     from srpo.train import memory
 
+    (tmp_path / "memory.max").write_text("1000\n")
+    (tmp_path / "memory.current").write_text("900\n")
+    (tmp_path / "memory.stat").write_text("anon 500\nfile 400\ninactive_file 300\n")
+    assert memory._cgroup_room(str(tmp_path)) == 400  # the inactive page cache is reclaimable: room
+    (tmp_path / "memory.max").write_text("max\n")
+    assert memory._cgroup_room(str(tmp_path)) is None  # no limit
     monkeypatch.setattr(memory, "_cgroup_room", lambda: 12345)
     assert memory.available_bytes() == 12345

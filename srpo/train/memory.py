@@ -79,14 +79,23 @@ def floor_bytes(modules, optimizers) -> int:
     return total + sum(3 * p.numel() * p.element_size() for p in trained.values())
 
 
-def _cgroup_room() -> int | None:
-    """Bytes left under this process's cgroup (v2) memory limit, or None when there is none."""
+def _cgroup_room(root: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes left under this process's cgroup (v2) memory limit, or None when there is none.
+
+    The cgroup's usage counts the page cache; its inactive part is reclaimed before anything is
+    killed, so it counts as room (as the kernel's MemAvailable counts it)."""
     try:
-        limit = open("/sys/fs/cgroup/memory.max").read().strip()
-        used = int(open("/sys/fs/cgroup/memory.current").read().strip())
+        with open(os.path.join(root, "memory.max"), encoding="ascii") as f:
+            limit = f.read().strip()
+        with open(os.path.join(root, "memory.current"), encoding="ascii") as f:
+            used = int(f.read().strip())
+        with open(os.path.join(root, "memory.stat"), encoding="ascii") as f:
+            stat = dict(line.split() for line in f if line.strip())
     except (OSError, ValueError):
         return None
-    return None if limit == "max" else max(int(limit) - used, 0)
+    if limit == "max":
+        return None
+    return max(int(limit) - used + int(stat.get("inactive_file", 0)), 0)
 
 
 def available_bytes(device: torch.device | None = None) -> int | None:
