@@ -81,7 +81,7 @@ def run_demo(output_dir: str | None = None, steps: int | None = None, overrides:
     print(f"| held-out accuracy ({acc}, temperature {cfg.eval.temperature}) | value |")
     print("|---|---:|")
     print(f"| before training | {before[acc]:.3f} ± {before[err]:.3f} |")
-    print(f"| after {cfg.run.steps} SRPO steps | {after[acc]:.3f} ± {after[err]:.3f} |")
+    print(f"| after {cfg.run.steps} SRPO step{'s' if cfg.run.steps != 1 else ''} | {after[acc]:.3f} ± {after[err]:.3f} |")
     # One training run: the ± are the evaluation's spread over problems only; another seed moves
     # the result too (docs/getting-started.md, "The demo"), so no test is claimed for the change.
     print(f"| change (one run, one seed; ± above are over problems only) | {diff:+.3f} |")
