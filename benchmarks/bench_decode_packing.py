@@ -22,6 +22,9 @@ SEPARATE = [(H, H), (KV, H), (KV, H), (H, H), (I, H), (I, H), (H, I)]  # q k v o
 GROUPED = [(H + 2 * KV, H), (H, H), (2 * I, H), (H, I)]  # qkv, o, gate+up, down
 
 
+_IN: dict[int, int] = {}  # id(packed weight) → its input features (the packed layout hides them)
+
+
 def packed_layers(shapes: list[tuple[int, int]], batch_hint: int) -> list[list[torch.Tensor]]:
     return [[torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k).bfloat16(), batch_hint) for n, k in shapes]
             for _ in range(LAYERS)]
@@ -38,9 +41,6 @@ def step_ms(layers: list[list[torch.Tensor]], batch: int, steps: int = 10) -> fl
         if i >= 2:
             times.append(1e3 * (time.perf_counter() - start))
     return statistics.median(times)
-
-
-_IN: dict[int, int] = {}  # id(packed weight) → its input features (the packed layout hides them)
 
 
 def main() -> None:

@@ -178,7 +178,8 @@ def test_a_run_logs_its_peak_memory_and_states_it_against_the_floor(tmp_path):
     assert f"the floor of {floor / 2**20:.1f} MB (weights" in trainer.memory_summary()  # the tiny model: MB
 
 
-def test_a_run_says_what_it_needs_before_its_first_step_and_warns_when_that_cannot_fit(tmp_path, monkeypatch):
+def test_a_run_says_what_it_needs_before_its_first_step_and_warns_when_that_cannot_fit(tmp_path, monkeypatch,
+                                                                                         capsys):
     from srpo.train import memory
 
     trainer = trained(tmp_path / "run", ["run.steps=1"])
@@ -189,6 +190,16 @@ def test_a_run_says_what_it_needs_before_its_first_step_and_warns_when_that_cann
     monkeypatch.setattr(memory, "available_bytes", lambda device=None: floor // 2)  # a machine too small
     line, fits = trainer.memory_preflight()
     assert not fits and "the floor alone does not fit" in line and "model.layout: lora" in line
+    capsys.readouterr()  # what training wrote before
+    trainer.announce_memory_preflight()
+    assert capsys.readouterr().err.startswith("warning: memory: this run needs at least")
+    weights, training = memory.floor_parts(trainer.policies.modules(), trainer.optimizers.values())
+    assert weights + training == floor and training == 12 * sum(p.numel() for p in trainer.policies.modules()[0].parameters())
+    # The weights are loaded already: room for the gradients and moments is enough, less is not.
+    monkeypatch.setattr(memory, "available_bytes", lambda device=None: training + 1)
+    assert trainer.memory_preflight()[1]
+    monkeypatch.setattr(memory, "available_bytes", lambda device=None: training - 1)
+    assert not trainer.memory_preflight()[1]
     monkeypatch.setattr(memory, "available_bytes", lambda device=None: None)  # nothing readable: no claim
     line, fits = trainer.memory_preflight()
     assert fits and "free" not in line

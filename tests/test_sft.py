@@ -168,10 +168,9 @@ def test_a_nan_fine_tuning_step_is_skipped_and_repeated_ones_stop_with_a_checkpo
     team = build.team(cfg)
     trainer = SupervisedTrainer(cfg, examples_from(episodes, team.role_specs, team.policies.tokenizer), team.policies,
                                 tmp_path / "sft", artefacts=(), progress=False)
-    logprobs, calls = trainer.policies.logprobs, []
+    logprobs = trainer.policies.logprobs
 
     def poisoned(*args, **kwargs):  # steps 2, 4, 5, ...: the model "emits" NaN log-probs
-        calls.append(1)
         out = logprobs(*args, **kwargs)
         return out * float("nan") if trainer.step + 1 in (2, 4, 5, 6) else out
 

@@ -40,8 +40,7 @@ def _train(args) -> int:
     trainer = Trainer(cfg, overwrite=args.overwrite, allow_data_change=args.allow_data_change)
     code = 0
     if trainer.backend.rank == 0:
-        line, fits = trainer.memory_preflight()
-        print(line if fits else f"warning: {line}", file=sys.stdout if fits else sys.stderr)
+        trainer.announce_memory_preflight()
     try:
         if args.resume and not trainer.resume():
             print(f"no checkpoint in {cfg.run.output_dir}; starting from step 0", file=sys.stderr)

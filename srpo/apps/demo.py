@@ -56,8 +56,7 @@ def run_demo(output_dir: str | None = None, steps: int | None = None, overrides:
           f"torch threads {torch.get_num_threads()}")
     print("loading the model (the first run converts the GGUF once, ~30 s) ...", flush=True)
     trainer = Trainer(cfg, overwrite=True)  # the demo replaces its previous run in the folder
-    line, fits = trainer.memory_preflight()
-    print(line if fits else f"warning: {line}", flush=True)
+    trainer.announce_memory_preflight()
     held_out = build.eval_sets(cfg, cfg.task.eval[:1], n=0)
 
     def run_eval(stem, title):

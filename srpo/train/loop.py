@@ -30,6 +30,7 @@ import functools
 import json
 import logging
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -409,22 +410,29 @@ class Trainer:
 
     def memory_preflight(self) -> tuple[str, bool]:
         """Before the first step: the floor this run needs (weights, gradients, AdamW moments, this
-        process's share) against what the machine has free now — and whether the floor alone fits.
+        process's share) against what the machine has free now — and whether it fits: the weights
+        are loaded already, so what must still fit is the training state (gradients and moments).
         Activations, the rollout's KV cache and the allocator's slack come on top (the peak is
         printed at the end)."""
-        floor = memory.floor_bytes(self.policies.modules(), self.optimizers.values())
+        weights, training = memory.floor_parts(self.policies.modules(), self.optimizers.values())
         device = build.device(self.cfg)
         free = memory.available_bytes(device)
         where = "GPU" if device.type == "cuda" else "memory"
-        text = f"memory: this run needs at least {memory.human(floor)} (weights, gradients, AdamW moments)"
+        text = f"memory: this run needs at least {memory.human(weights + training)} (weights, gradients, AdamW moments)"
         if free is None:
             return text, True
-        fits = floor < free
-        text += f"; {memory.human(free)} of {where} is free now"
+        fits = training < free
+        text += f"; {memory.human(free)} of {where} is free now, beside the {memory.human(weights)} of weights loaded"
         if not fits:
-            text += (" — the floor alone does not fit: the run will be killed for memory. Train LoRA adapters "
+            text += (f" — the floor alone does not fit: its {memory.human(training)} of gradients and AdamW moments "
+                     "still to come exceed what is free, and the run will be killed for memory. Train LoRA adapters "
                      "(model.layout: lora), a smaller model, or shard it (train.parallel: fsdp)")
         return text, fits
+
+    def announce_memory_preflight(self) -> None:
+        """Print :meth:`memory_preflight`'s line: on stdout, or as a warning on stderr when it does not fit."""
+        line, fits = self.memory_preflight()
+        print(line if fits else f"warning: {line}", file=sys.stdout if fits else sys.stderr, flush=True)
 
     def memory_summary(self) -> str:
         """One line: the run's peak memory against its floor (weights, gradients, AdamW moments)."""

@@ -64,19 +64,25 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def floor_bytes(modules, optimizers) -> int:
-    """Weights (each module's parameters and buffers, shared tensors once) + for every parameter an
-    optimizer updates: its gradient and two AdamW moments in its dtype — this process's share of
-    them under a backend that shards parameters."""
-    seen, total = set(), 0
+def floor_parts(modules, optimizers) -> tuple[int, int]:
+    """The floor in two parts: (weights — each module's parameters and buffers, shared tensors
+    once —, training state — for every parameter an optimizer updates, its gradient and two AdamW
+    moments in its dtype); this process's share of them under a backend that shards parameters.
+    Once a model is loaded its weights are resident; the training state comes with the first step."""
+    seen, weights = set(), 0
     for module in modules:
         for t in [*module.parameters(), *module.buffers()]:
             t = _local(t)
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
+                weights += t.numel() * t.element_size()
     trained = {id(p): _local(p) for opt in optimizers for group in opt.param_groups for p in group["params"]}
-    return total + sum(3 * p.numel() * p.element_size() for p in trained.values())
+    return weights, sum(3 * p.numel() * p.element_size() for p in trained.values())
+
+
+def floor_bytes(modules, optimizers) -> int:
+    """Weights + gradients and two AdamW moments of every trained parameter (:func:`floor_parts`)."""
+    return sum(floor_parts(modules, optimizers))
 
 
 def _cgroup_room(root: str = "/sys/fs/cgroup") -> int | None:
