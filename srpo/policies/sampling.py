@@ -150,10 +150,18 @@ class _Rows:
     next_pos: torch.Tensor  # (b,) position of the next token
     attn: torch.Tensor      # (b, P + step) attention mask
     use_top_p: bool
+    # Host-side flags that spare a step work no row needs: an argmax over the vocabulary when no
+    # row is greedy, a division when every temperature is 1 (x / 1 is x, bit for bit).
+    any_greedy: bool = True
+    unit_temp: bool = False
+
+    def __post_init__(self):
+        self.any_greedy, self.unit_temp = bool(self.greedy.any()), bool((self.temp == 1).all())
 
     def keep(self, keep: torch.Tensor) -> None:
         self.temp, self.greedy, self.top_p, self.next_pos, self.attn = (
             t[keep] for t in (self.temp, self.greedy, self.top_p, self.next_pos, self.attn))
+        self.__post_init__()
 
 
 def _left_padded(prompts: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -281,12 +289,16 @@ def _decode(model, tokenizer, params, rows: _Rows, next_logits, cache, decoder, 
     reasons: list[str | None] = [None] * B
     live = list(range(B))  # the original index of each row still in the decode batch
     for step in range(max(limits)):
-        logits = next_logits.float() / rows.temp[:, None]  # (b, V), b = rows still in the batch
+        logits = next_logits.float()  # (b, V), b = rows still in the batch
+        if not rows.unit_temp:
+            logits = logits / rows.temp[:, None]
         logp = torch.log_softmax(logits, dim=-1)
         probs = logp.exp()
         if rows.use_top_p:  # a full sort over the vocabulary: only when some row asks for it
             probs = _top_p_filter(probs, rows.top_p)
-        chosen = torch.where(rows.greedy, logits.argmax(-1), draw(probs, generator))  # (b,)
+        chosen = draw(probs, generator)  # (b,); drawn for every row, so the generator advances alike
+        if rows.any_greedy:
+            chosen = torch.where(rows.greedy, logits.argmax(-1), chosen)
         chosen_logp = logp.gather(-1, chosen[:, None]).squeeze(-1)
         is_eos = torch.isin(chosen, eos)
         for b, (i, tok, lp, ended) in enumerate(zip(live, chosen.tolist(), chosen_logp.tolist(), is_eos.tolist())):
