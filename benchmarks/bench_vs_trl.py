@@ -15,7 +15,8 @@ optimizer, activations, allocator caches), each against TRL's.  Needs `pip insta
 (not a dependency of srpo).
 
     python benchmarks/bench_vs_trl.py --steps 8 --rounds 2 --threads 2
-    python benchmarks/bench_vs_trl.py --profile --steps 3   # where one srpo step (every event forwarded) goes
+    python benchmarks/bench_vs_trl.py --profile --steps 3   # where one srpo step (every event forwarded) goes,
+                                                            # and what its matmuls and attention alone take
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ import tempfile
 import time
 
 PROMPTS_PER_STEP, SAMPLES, MAX_NEW, LR, SEED = 2, 8, 64, 1e-5, 0
+# The kernels that do a step's arithmetic (weight matmuls, fused attention): their own (self) time.
+FLOOR_KERNELS = {
+    "matrix products": {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise"},
+    "attention": {"aten::_scaled_dot_product_flash_attention_for_cpu",
+                  "aten::_scaled_dot_product_flash_attention_for_cpu_backward"},
+}
 TASK = {"kind": "math", "train": {"source": "synthetic_arithmetic", "level": 2, "n": 1000, "seed": SEED}}
 
 
@@ -78,7 +85,17 @@ def run_ours(steps: int, threads: int, skip_zero_advantage: bool = True, profile
         trainer.update, trainer.rollout = labelled(update, "## update"), labelled(rollout, "## rollout")
         with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
             history = [trainer.train_step()]
-        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=45, max_name_column_width=60))
+        averages = prof.key_averages()
+        print(averages.table(sort_by="cpu_time_total", row_limit=45, max_name_column_width=60))
+        # What the step's arithmetic alone costs at these kernels' speed: the floor that no removal
+        # of the other operations (casts, norms, dispatch, Python) can go below.
+        kernel_s = {kind: sum(e.self_cpu_time_total for e in averages if e.key in names) / 1e6
+                    for kind, names in FLOOR_KERNELS.items()}
+        step_s, tokens = history[0]["time/step_s"], history[0]["team_tokens"]
+        floor = sum(kernel_s.values())
+        print(f"\none profiled step: {step_s:.2f} s, {tokens} completion tokens; its kernels' own time: "
+              + ", ".join(f"{kind} {t:.2f} s" for kind, t in kernel_s.items())
+              + f" → {floor:.2f} s ({1e3 * floor / tokens:.2f} ms per completion token) if nothing else ran")
         return {}
     history = trainer.fit()
     return {"step_s": [h["time/step_s"] for h in history],

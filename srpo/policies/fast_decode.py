@@ -24,11 +24,12 @@ and the vocabulary head 5.9 → 3.2 ms, against ~0.12 s to pack once per call.  
 the packed bf16 matmul gives the same bits as autocast's ``F.linear``; in float32 oneDNN's
 summation order differs from MKL's in the last bits.
 
-The step itself issues as few small operations as it can (a fused RMS norm call, the rotary
+The step itself issues few small operations (one ``F.rms_norm`` call per norm, the rotary
 embedding of all query and key heads in one pass, one autocast context a step): at batch 16 the
-operations around the matmuls cost about as long as the matmuls.  Against the previous,
-operation-per-line version the step took 1.01–1.06× less time (paired, step by step, 4 rounds
-of 64 steps; 2026-12-02) with the same logits bit for bit.
+operations around the matmuls take about as long as the matmuls.  Against the previous version,
+one operation per line, the step ran 1.01–1.06× faster (paired step by step, 4 rounds of 64
+steps, 2026-12-02) with the same logits bit for bit — a small gain: each small operation here
+costs its dispatch, and most of them remain.
 
 Decoders are registered per ``config.model_type`` in :data:`FAST_DECODERS`
 (``@register_fast_decoder("llama", "qwen2")``); a decoder class takes the model in its constructor,
