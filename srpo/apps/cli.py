@@ -456,11 +456,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_overrides(p: argparse.ArgumentParser, help: str) -> None:
+    """``--set KEY=VALUE ...`` (repeatable; values are YAML), as every config-reading command takes it."""
+    p.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE", help=help)
+
+
 def _add_run_commands(sub) -> None:
     p = sub.add_parser("train", help="train a workflow from a YAML config")
     p.add_argument("--config", required=True, help="YAML config (see configs/)")
-    p.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
-                   help="override config fields: --set train.lr=1e-5 run.steps=50 (values are YAML)")
+    _add_overrides(p, "override config fields: --set train.lr=1e-5 run.steps=50 (values are YAML)")
     p.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
     p.add_argument("--allow-data-change", action="store_true",
                    help="with --resume: continue although the data changed since the checkpoint (refused otherwise)")
@@ -470,8 +474,7 @@ def _add_run_commands(sub) -> None:
 
     p = sub.add_parser("sft", help="supervised warm start of every role from transcripts (a file or a script)")
     p.add_argument("--config", required=True, help="the run config (model, layout, workflow, prompts) and its sft: section")
-    p.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
-                   help="override config fields, e.g. sft.script=srpo.tasks.scripts:search_team sft.episodes=300")
+    _add_overrides(p, "override config fields, e.g. sft.script=srpo.tasks.scripts:search_team sft.episodes=300")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a previous fine-tuning's output in sft.output_dir (only what srpo sft wrote there)")
     p.add_argument("--resume", action="store_true",
@@ -490,8 +493,7 @@ def _add_run_commands(sub) -> None:
     p.add_argument("--kind", default=None,
                    help="the task kind that grades (math, qa, or a registered/import-path one; default: the "
                         "search workflows' qa, else from the data's rows)")
-    p.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
-                   help="override fields of the evaluation config (e.g. workflow.roles.aggregator.max_new_tokens=32)")
+    _add_overrides(p, "override fields of the evaluation config (e.g. workflow.roles.aggregator.max_new_tokens=32)")
     p.add_argument("--corpus", default="", help="search workflows: corpus jsonl or synthetic_kb")
     p.add_argument("--retriever-url", default="", help="search workflows: a retrieval server instead of --corpus")
     p.add_argument("-k", type=_number(int, 1, "an integer ≥ 1"), default=16, help="samples per problem")
@@ -520,8 +522,7 @@ def _add_run_commands(sub) -> None:
                         "after the prompt); a request asking for more is capped, and the server says so once")
     p.add_argument("--max-queue", type=_number(int, 1, "an integer ≥ 1"), default=256,
                    help="the most generations waiting; beyond, requests get 429 with Retry-After")
-    p.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
-                   help="override fields of the serving config (e.g. workflow.roles.judge.temperature=0)")
+    _add_overrides(p, "override fields of the serving config (e.g. workflow.roles.judge.temperature=0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=_number(int, 0, "an integer ≥ 0"), default=0)
     p.set_defaults(func=_serve)
@@ -537,7 +538,7 @@ def _add_tool_commands(sub) -> None:
     p.add_argument("action", choices=["show"])
     p.add_argument("--config", default=None, help="also show this config's values where they differ from the defaults")
     p.add_argument("--markdown", action="store_true", help="print the docs' configuration page (docs/configuration.md)")
-    p.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE", help="overrides, as for train")
+    _add_overrides(p, "overrides, as for train")
     p.set_defaults(func=_config)
 
     p = sub.add_parser("report", help="plots and a summary page for a run folder")
