@@ -299,7 +299,9 @@ class TrainConfig(Section):
     (None: 4 in one process and under ddp; 2 under fsdp, where every pass makes exactly this many
     backbone calls and each all-gathers every layer: on the demo's work under 2 gloo ranks 2 groups
     cut the padding from 41 % to 15 % of the token slots and updated 1.20× faster, 4 groups
-    0.98× — benchmarks/bench_fsdp_padding.py)."""
+    0.98× — benchmarks/bench_fsdp_padding.py).  Outside fsdp a group is cut only where it saves
+    more padding than one more backbone call costs (``logprobs.CALL_OVERHEAD_TOKENS``, 128 tokens),
+    so short batches run fewer groups than this."""
     fsdp_share_prompts: bool = False
     """Under fsdp: run each distinct prompt of a pass once and continue its rows from that prompt's
     KV cache (one more backbone call per pass; one process and ddp always share prompts)."""

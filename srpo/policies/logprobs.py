@@ -108,14 +108,24 @@ def cache_keyword(module) -> str:
     return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
 
-def length_buckets(lengths: list[int], *, max_buckets: int = 4, overhead_tokens: int = 16,
+# What one more backbone call costs, counted in padded tokens: its per-call work (each layer's
+# small operations, the recomputation's, a cache selection) and its smaller, slower matmuls.  16
+# let the cut split off groups of 2–3 short rows; on benchmark 1's work (SmolLM2-135M, 16 rows of
+# ≤ 64 tokens, CPU) that ran 3.8 groups a pass and the update took 7.25 / 7.41 s against
+# 6.10 / 5.55 s with 128 (2 groups) and 6.43 / 6.29 s in one padded group; on the demo's team
+# 12.9 / 16.0 s against 11.0 / 9.65 s with 128 (2 alternated rounds, 2026-12-02, session 16).
+CALL_OVERHEAD_TOKENS = 128
+
+
+def length_buckets(lengths: list[int], *, max_buckets: int = 4, overhead_tokens: int = CALL_OVERHEAD_TOKENS,
                    prompt_lengths: list[int] | None = None) -> list[list[int]]:
     """Group rows of similar length so that each group is padded only to its own longest.
 
     Rows are sorted by length and cut into at most ``max_buckets`` contiguous groups, choosing the
-    cuts (by dynamic programming) that minimise padded tokens + ``overhead_tokens`` per extra
-    forward pass.  On RL batches (completions from a few tokens to the limit) this removes a
-    quarter to a third of the tokens a single padded batch would run.  Returns row indices per group.
+    cuts (by dynamic programming) that minimise padded tokens + ``overhead_tokens`` per forward
+    pass (:data:`CALL_OVERHEAD_TOKENS` by default).  A group is split off only where it saves more
+    padding than a call costs: rows hundreds of tokens apart still get their own groups, while a
+    short RL batch runs in one or two calls.  Returns row indices per group.
 
     ``lengths`` are completion lengths; with ``prompt_lengths`` (for a pass that runs each row's
     prompt too, left-padded to the group's longest) rows are sorted by prompt + completion and a
@@ -204,7 +214,10 @@ def _prediction_states(model, input_ids, attention_mask, P: int, share_prompts: 
             last_prompt_state = prompt_out.last_hidden_state[:, -1]  # (U, H)
     # Without a shared prompt pass each group runs its rows' prompts too: group by both lengths.
     prompt_lengths = None if prompt_out is not None else attention_mask[:, :P].sum(-1).clamp(min=1).tolist()
-    groups = length_buckets(lengths, max_buckets=max_groups, prompt_lengths=prompt_lengths) if T > 0 else [list(range(M))]
+    # With fixed calls every call is made anyway (idle ones run one token): a cut costs nothing.
+    groups = (length_buckets(lengths, max_buckets=max_groups, prompt_lengths=prompt_lengths,
+                             overhead_tokens=0 if fixed_calls else CALL_OVERHEAD_TOKENS)
+              if T > 0 else [list(range(M))])
     pieces, order = [], []
     for group in groups:
         g = torch.tensor(group, device=input_ids.device)
