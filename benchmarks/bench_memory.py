@@ -38,7 +38,8 @@ def run(ckpt: bool, steps: int, threads: int, folder: Path) -> dict:
     if out.returncode != 0:
         raise SystemExit(out.stderr[-2000:])
     rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    floor = next(line for line in out.stdout.splitlines() if line.startswith("memory:"))
+    # The run's last memory line ("memory: peak … the floor of …"); the first says what it needs.
+    floor = next(line for line in out.stdout.splitlines() if line.startswith("memory:") and "floor of " in line)
     return {"step_s": statistics.median(r["time/step_s"] for r in rows[1:]),
             "update_s": statistics.median(r["time/update_s"] for r in rows[1:]),
             "peak_gb": rows[-1]["memory/peak_rss_gb"], "floor_gb": float(floor.split("floor of ")[1].split(" GB")[0])}

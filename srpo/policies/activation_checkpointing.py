@@ -43,8 +43,9 @@ def return_freed_blocks_to_the_os(threshold: int = 8 << 20) -> bool:
     returns them.  Why 8 MiB: at 1 MiB every mid-sized tensor is a fresh mmap and its pages are
     faulted in again each time — the demo's step took 1.77× as long with checkpointing as
     without; at 8 MiB 0.98× (2026-12-02, benchmarks/bench_memory.py; peak 3.67 GB against 3.28 GB
-    at 1 MiB and 6.00 GB without checkpointing).  A no-op elsewhere (not glibc) and when the
-    environment already sets it.  Returns whether the setting took effect."""
+    at 1 MiB and 6.00 GB without checkpointing; later runs of the same benchmark, threshold at
+    8 MiB, measured 1.18–1.29×).  A no-op elsewhere (not glibc) and when the environment already
+    sets it.  Returns whether the setting took effect."""
     global _MMAP_THRESHOLD_SET
     import ctypes
     import os
