@@ -109,11 +109,10 @@ def cache_keyword(module) -> str:
 
 
 # What one more backbone call costs, counted in padded tokens: its per-call work (each layer's
-# small operations, the recomputation's, a cache selection) and its smaller, slower matmuls.  16
-# let the cut split off groups of 2–3 short rows; on benchmark 1's work (SmolLM2-135M, 16 rows of
-# ≤ 64 tokens, CPU) that ran 3.8 groups a pass and the update took 7.25 / 7.41 s against
-# 6.10 / 5.55 s with 128 (2 groups) and 6.43 / 6.29 s in one padded group; on the demo's team
-# 12.9 / 16.0 s against 11.0 / 9.65 s with 128 (2 alternated rounds, 2026-12-02, session 16).
+# small operations, the recomputation's, a cache selection) and its smaller, slower matmuls.  At
+# 16 the cut split off groups of 2–3 short rows (3.8 groups a pass on benchmark 1's work); at 128
+# (2 groups) the update ran 1.19–1.34× faster there and 1.06–1.66× on the demo's team, at the same
+# peak (benchmarks/bench_length_groups.py, 2026-12-02).
 CALL_OVERHEAD_TOKENS = 128
 
 
