@@ -38,16 +38,8 @@ def child(checkpointing: bool, steps: int, threads: int, forward_all: bool) -> N
     sys.path.insert(0, str(Path(__file__).parent))
     import bench_vs_trl
 
-    import srpo.build
-
-    plain = srpo.build.config_from_dict
-
-    def with_checkpointing(data, **kw):
-        data.setdefault("train", {})["activation_checkpointing"] = checkpointing
-        return plain(data, **kw)
-
-    srpo.build.config_from_dict = with_checkpointing  # run_ours imports it at call time
-    res = bench_vs_trl.run_ours(steps, threads, skip_zero_advantage=not forward_all)
+    res = bench_vs_trl.run_ours(steps, threads, skip_zero_advantage=not forward_all,
+                                train={"activation_checkpointing": checkpointing})
     print("RESULT " + json.dumps({"step_s": res["step_s"][1:], "update_s": res["update_s"][1:],
                                   "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
 

@@ -45,14 +45,7 @@ def child(work: str, groups: int, overhead: int) -> None:
         sys.path.insert(0, str(Path(__file__).parent))
         import bench_vs_trl
 
-        plain = srpo.build.config_from_dict
-
-        def with_groups(data, **kw):
-            data.setdefault("train", {})["length_groups"] = groups
-            return plain(data, **kw)
-
-        srpo.build.config_from_dict = with_groups  # run_ours imports it at call time
-        updates = bench_vs_trl.run_ours(6, 2, skip_zero_advantage=False)["update_s"][1:]
+        updates = bench_vs_trl.run_ours(6, 2, skip_zero_advantage=False, train={"length_groups": groups})["update_s"][1:]
     else:
         import torch
 

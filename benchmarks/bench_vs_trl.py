@@ -40,7 +40,9 @@ FLOOR_KERNELS = {
 TASK = {"kind": "math", "train": {"source": "synthetic_arithmetic", "level": 2, "n": 1000, "seed": SEED}}
 
 
-def run_ours(steps: int, threads: int, skip_zero_advantage: bool = True, profile: bool = False) -> dict:
+def run_ours(steps: int, threads: int, skip_zero_advantage: bool = True, profile: bool = False,
+             train: dict | None = None) -> dict:
+    """srpo on this benchmark's work; ``train``: further ``train.*`` settings (other benchmarks vary them)."""
     import torch
 
     torch.set_num_threads(threads)
@@ -56,7 +58,7 @@ def run_ours(steps: int, threads: int, skip_zero_advantage: bool = True, profile
         "task": TASK,
         "method": {"name": "grpo"},
         "train": {"tasks_per_step": PROMPTS_PER_STEP, "group_size": SAMPLES, "lr": LR, "max_grad_norm": 1.0,
-                  "skip_zero_advantage": skip_zero_advantage},
+                  "skip_zero_advantage": skip_zero_advantage, **(train or {})},
         "checkpoint": {"every": 0}, "log": {"tensorboard": False},
     })
     trainer = Trainer(cfg, progress=False)

@@ -534,6 +534,11 @@ def test_length_buckets_cut_padding_and_keep_every_row():
     padded = sum(len(g) * max(lengths[i] for i in g) for g in groups)
     assert 1 < len(groups) <= 4 and padded < 0.7 * len(lengths) * max(lengths)
     assert length_buckets([10] * 5) == [[0, 1, 2, 3, 4]]  # equal lengths: one pass
+    # By default a call counts as CALL_OVERHEAD_TOKENS (128): two short rows that would save 104
+    # padded tokens stay with the long ones; counted as 16 tokens they got a call of their own.
+    short_pair = [64] * 10 + [12, 10]
+    assert length_buckets(short_pair) == [[11, 10, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    assert sorted(map(sorted, length_buckets(short_pair, overhead_tokens=16))) == [list(range(10)), [10, 11]]
     assert length_buckets([]) == []
     # A team's pass: workers (short prompts) and an aggregator (its prompt holds their answers) with
     # completions of similar lengths.  Grouped by completion alone they share groups; with the prompt

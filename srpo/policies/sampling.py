@@ -150,18 +150,21 @@ class _Rows:
     next_pos: torch.Tensor  # (b,) position of the next token
     attn: torch.Tensor      # (b, P + step) attention mask
     use_top_p: bool
-    # Host-side flags that spare a step work no row needs: an argmax over the vocabulary when no
-    # row is greedy, a division when every temperature is 1 (x / 1 is x, bit for bit).
-    any_greedy: bool = True
-    unit_temp: bool = False
+    # Host-side flags, derived from the rows, that spare a step work no row needs: an argmax over
+    # the vocabulary when no row is greedy, a division when every temperature is 1 (x / 1 is x).
+    any_greedy: bool = field(init=False)
+    unit_temp: bool = field(init=False)
 
     def __post_init__(self):
+        self._derive_flags()
+
+    def _derive_flags(self) -> None:
         self.any_greedy, self.unit_temp = bool(self.greedy.any()), bool((self.temp == 1).all())
 
     def keep(self, keep: torch.Tensor) -> None:
         self.temp, self.greedy, self.top_p, self.next_pos, self.attn = (
             t[keep] for t in (self.temp, self.greedy, self.top_p, self.next_pos, self.attn))
-        self.__post_init__()
+        self._derive_flags()
 
 
 def _left_padded(prompts: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
