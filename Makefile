@@ -85,7 +85,7 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py
+	$(VLLM_VENV)/bin/python -m pytest -q tests/rollout/test_vllm.py
 
 # On a CUDA machine (vLLM too where installed, pip install -e '.[vllm]'): the whole scale path in
 # minutes.  A machine whose Python lacks srpo's own pure-Python needs (pydantic ...) and cannot

@@ -1,7 +1,7 @@
 """Benchmark 10: the extra memory of a weight sync from FSDP shards into vLLM, by bucket size.
 
 Two gloo ranks train a team under ``train.parallel: fsdp`` with their colocated vLLM CPU engines
-(``tests/vllm_fsdp_worker.py``: SmolLM2-135M in float32, 1 step), once per bucket size; after the
+(``tests/helpers/vllm_fsdp_worker.py``: SmolLM2-135M in float32, 1 step), once per bucket size; after the
 step each rank syncs once more with its peak resident memory reset, and reports how far above
 the resident memory before the sync the peak went.  A bucket of 1024 MiB holds the whole model
 (what a one-file sync writes); the staged bucket file (in /dev/shm, not resident memory of the

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 import traceback
@@ -178,9 +179,13 @@ def _load_checkpoint(team, checkpoint: Path, model: str, attempts: int = 5) -> P
                           f"evaluate a copy, or when the run has ended")
 
 
-def _model_config(args) -> tuple[dict, Path | None]:
+def _model_config(args) -> tuple[dict, Path | None, dict | None]:
     """The config ``--model`` (and ``--workflow``/``--options``) describe, as a dict to complete,
-    and the training checkpoint whose weights to load (None: a model name, path or warm start)."""
+    the training checkpoint whose weights to load (None: a model name, path or warm start), and a
+    copy of the config read from the folder (None: nothing was read) — what
+    :func:`_refuse_folder_code` checks the finished config against."""
+    import copy
+
     from srpo import build
 
     checkpoint = _checkpoint_for_eval(args.model)
@@ -193,6 +198,7 @@ def _model_config(args) -> tuple[dict, Path | None]:
         print(f"the warm start in {warm_start}", file=sys.stderr)
     else:
         data = {"model": {"name": args.model, "layout": "shared"}}
+    saved = copy.deepcopy(data) if checkpoint is not None or warm_start is not None else None
     # The workflow: --workflow, else the one the checkpoint or warm start was trained in, else single.
     workflow_ = data.setdefault("workflow", {})
     workflow_["name"] = args.workflow or workflow_.get("name") or "single"
@@ -201,7 +207,46 @@ def _model_config(args) -> tuple[dict, Path | None]:
             workflow_["options"] = json.loads(args.options) if args.options else {}
         except json.JSONDecodeError as err:
             raise UsageError(f"--options {args.options!r}: not JSON ({err.msg})") from None
-    return data, checkpoint
+    return data, checkpoint, saved
+
+
+# Sections of a saved config that serving and evaluating weights never use: code they name is
+# dropped (the defaults apply), not refused.
+_UNUSED_WHEN_SERVING = ("method", "train", "log", "checkpoint", "sft")
+
+
+def _refuse_folder_code(args, saved: dict | None, data: dict, flags: dict, *, serving: bool) -> None:
+    """Code named in the folder's config (``saved``) runs only with ``--trust-run-code``
+    (:mod:`srpo.runs.trust`).  Called before anything resolves a name in ``data``.  Without the
+    flag: sections ``serve``/``eval`` do not use lose their import paths; ``srpo serve`` of a
+    program's run (``openai_agent``) serves its roles without the program; anything else still
+    named — after the user's own ``flags`` (dotted key → value) and ``--set`` — is refused."""
+    import copy
+
+    from srpo.config import apply_overrides
+    from srpo.runs.trust import code_named, refuse_saved_code
+
+    if saved is None or args.trust_run_code:
+        return
+    for key in code_named(saved):
+        section, _, rest = key.partition(".")
+        node = data.get(section) if section in _UNUSED_WHEN_SERVING else None
+        if isinstance(node, dict):
+            node.pop(rest.split("[")[0].split(".")[0], None)
+    workflow_ = data["workflow"]
+    if serving and args.workflow is None and workflow_.get("name") == "openai_agent":
+        roles = (workflow_.get("options") or {}).get("roles")
+        data["workflow"] = {**{k: v for k, v in workflow_.items() if k != "options"},
+                            "name": "roles", "options": {"roles": roles}}
+        print(f"serving the roles of {args.model} without its agent program (the weights need none; "
+              "--trust-run-code would load it)", file=sys.stderr)
+    final = copy.deepcopy(data)
+    for dotted, value in flags.items():
+        if value:
+            section, _, key = dotted.partition(".")
+            final.setdefault(section, {})[key] = value
+    apply_overrides(final, args.set)
+    refuse_saved_code(saved, final, str(args.model))
 
 
 def _eval(args) -> int:
@@ -215,7 +260,8 @@ def _eval(args) -> int:
     from srpo.workflows.builtins import WORKFLOWS
 
     sources = _parse_data(args.data)
-    data, checkpoint = _model_config(args)
+    data, checkpoint, saved = _model_config(args)
+    _refuse_folder_code(args, saved, data, {"task.kind": args.kind}, serving=False)
     workflow_ = data["workflow"]
     kind = args.kind
     if kind is None and workflow_["name"] in WORKFLOWS:
@@ -269,7 +315,8 @@ def _serve(args) -> int:
     from srpo.gateway.backends import ServeBackend
     from srpo.gateway.server import serve_forever
 
-    data, checkpoint = _model_config(args)
+    data, checkpoint, saved = _model_config(args)
+    _refuse_folder_code(args, saved, data, {"rollout.engine": args.engine}, serving=True)
     if args.engine:
         data.setdefault("rollout", {})["engine"] = args.engine
     if args.max_new_tokens:
@@ -295,7 +342,8 @@ def _serve(args) -> int:
               f"Ctrl-C stops", flush=True)
 
     try:  # a port in use is a ServeError: one error line (main)
-        serve_forever(backend, args.host, args.port, ready=ready)
+        serve_forever(backend, args.host, args.port, ready=ready,
+                      api_key=args.api_key if args.api_key is not None else os.environ.get("SRPO_API_KEY", ""))
     finally:
         engine.close()
     return 0
@@ -386,7 +434,7 @@ def _number(kind, minimum, what):
 
 def _retriever(args) -> int:
     from srpo.data import corpus_passages
-    from srpo.tasks.retrieval_service import serve
+    from srpo.tasks.retrieval_service import API_KEY_ENV, serve
     from srpo.tasks.search import BM25Retriever
 
     started = time.perf_counter()
@@ -394,7 +442,8 @@ def _retriever(args) -> int:
     index = BM25Retriever(passages)
     print(f"BM25 over {len(passages)} passages of {args.corpus} ({time.perf_counter() - started:.1f} s); "
           f"serving POST http://{args.host}:{args.port}/retrieve (Ctrl-C stops)", file=sys.stderr, flush=True)
-    serve(index, host=args.host, port=args.port, default_topk=args.topk)
+    serve(index, host=args.host, port=args.port, default_topk=args.topk, docs=args.docs,
+          api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV, ""))
     return 0
 
 
@@ -503,6 +552,8 @@ def _add_run_commands(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=_number(int, 0, "an integer ≥ 0"), default=0)
     p.add_argument("--out", default="", help="folder for eval.json and eval.md")
+    p.add_argument("--trust-run-code", action="store_true",
+                   help="run the agent program and import paths the run folder's config names (never by default)")
     p.set_defaults(func=_eval)
 
     p = sub.add_parser("serve", help="the OpenAI-compatible endpoint on a trained team (model = a role's name)")
@@ -522,9 +573,14 @@ def _add_run_commands(sub) -> None:
                         "after the prompt); a request asking for more is capped, and the server says so once")
     p.add_argument("--max-queue", type=_number(int, 1, "an integer ≥ 1"), default=256,
                    help="the most generations waiting; beyond, requests get 429 with Retry-After")
+    p.add_argument("--api-key", default=None,
+                   help="every request must send Authorization: Bearer KEY, as OpenAI clients do with api_key= "
+                        "(default: $SRPO_API_KEY; none)")
     _add_overrides(p, "override fields of the serving config (e.g. workflow.roles.judge.temperature=0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=_number(int, 0, "an integer ≥ 0"), default=0)
+    p.add_argument("--trust-run-code", action="store_true",
+                   help="run the agent program and import paths the run folder's config names (never by default)")
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("demo", help="SRPO on the embedded SmolLM2-135M: eval, train, eval, report")
@@ -557,6 +613,9 @@ def _add_tool_commands(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=_number(int, 1, "a port number"), default=8000)
     p.add_argument("--topk", type=_number(int, 1, "an integer ≥ 1"), default=3, help="passages per query when a request names none")
+    p.add_argument("--api-key", default=None,
+                   help="every request must send Authorization: Bearer KEY (default: $SRPO_RETRIEVER_API_KEY; none)")
+    p.add_argument("--docs", action="store_true", help="also serve /docs and /openapi.json")
     p.set_defaults(func=_retriever)
 
 
@@ -579,11 +638,12 @@ def main(argv: list[str] | None = None) -> int:
     from srpo.policies import ModelLoadError
     from srpo.runs.run_dir import RunDirError
     from srpo.tasks import DatasetError
+    from srpo.runs.trust import UntrustedCode
 
     try:
         return args.func(args)
     except (ConfigError, CheckpointError, ModelLoadError, DatasetError, RunDirError, UsageError, ServeError,
-            WriteError) as err:
+            WriteError, UntrustedCode) as err:
         if args.verbose:
             traceback.print_exc()
         print(f"error: {err}", file=sys.stderr)

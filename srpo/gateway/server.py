@@ -38,9 +38,9 @@ MAX_BODY_BYTES = 8 << 20  # 8 MiB: a long multi-agent transcript fits; a runaway
 SHUTDOWN_S = 5.0
 
 
-def _uvicorn_server(app, **kw):
-    # A training step's requests wait for a batch: the read timeout is for a stalled body only.
-    return serving.uvicorn_server(app, header_timeout_s=30.0, read_timeout_s=60.0, limit_concurrency=4096, **kw)
+def _uvicorn_server(app, guard: serving.Guard, **kw):
+    # A training step's requests wait for a batch: the body deadline is for the body only.
+    return serving.uvicorn_server(app, guard=guard, header_timeout_s=30.0, limit_concurrency=4096, **kw)
 
 
 def _require_server_libraries():
@@ -101,14 +101,11 @@ def build_app(resolve, *, serve_root: bool = False):
     async def completions(request, kind: str):
         try:
             backend = backend_of(request)
-            size = int(request.headers.get("content-length") or 0)
-            raw = await request.body()
-            if max(size, len(raw)) > MAX_BODY_BYTES:
-                raise ProtocolError(f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB", status=413)
+            raw = await request.body()  # size, deadline and nesting already bounded (serving.Guard)
             try:
                 body = json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as err:
-                raise ProtocolError(f"the request body is not JSON ({err})") from None
+            except (ValueError, UnicodeDecodeError, RecursionError):
+                raise ProtocolError("the request body is not valid JSON") from None
             headers = {k.lower(): v for k, v in request.headers.items()}
             if kind == "responses":
                 req = parse_responses_request(body, headers)
@@ -146,9 +143,9 @@ def build_app(resolve, *, serve_root: bool = False):
             return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
         except asyncio.CancelledError:
             return error(503, "the episode ended while this request waited", kind="server_error")
-        except Exception as err:  # noqa: BLE001 — the wire gets one line, the log the traceback
+        except Exception:  # noqa: BLE001 — the log gets the traceback, the wire a generic line
             log.error("gateway request failed:\n%s", traceback.format_exc())
-            return error(500, f"{type(err).__name__}: {err}", kind="server_error")
+            return error(500, "the server failed to answer this request (its log says why)", kind="server_error")
         if kind == "responses":
             if req.stream:
                 return StreamingResponse(responses.stream_events(req, choices[0], prompt_tokens),
@@ -199,7 +196,8 @@ class Gateway:
         self._lock = threading.Lock()
         self._sock = serving.bind(host, port)
         self.host, self.port = self._sock.getsockname()[:2]
-        self._server = _uvicorn_server(build_app(self._resolve))
+        guard = serving.Guard(loopback_only=serving.is_loopback(host), max_body_bytes=MAX_BODY_BYTES)
+        self._server = _uvicorn_server(build_app(self._resolve), guard)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="srpo-gateway", daemon=True)
         self._thread.start()
@@ -269,12 +267,15 @@ def shared(host: str = "127.0.0.1", port: int = 0) -> Gateway:
         return gw
 
 
-def serve_forever(backend, host: str = "127.0.0.1", port: int = 8000, *, ready=None) -> None:
+def serve_forever(backend, host: str = "127.0.0.1", port: int = 8000, *, ready=None, api_key: str = "") -> None:
     """``srpo serve``: the routes at ``/v1`` (and per-token routes, unused) in this thread until
-    interrupted.  ``ready(host, port)`` is called once it listens."""
+    interrupted.  ``ready(host, port)`` is called once it listens.  ``api_key``: every request
+    needs it as a bearer token ('': none; a warning when ``host`` is not loopback)."""
     _require_server_libraries()
     sock = serving.bind(host, port)
-    server = _uvicorn_server(build_app(lambda token: backend if token is None else None, serve_root=True),
+    serving.warn_if_exposed(host, api_key, "srpo serve")
+    guard = serving.Guard(api_key=api_key, loopback_only=serving.is_loopback(host), max_body_bytes=MAX_BODY_BYTES)
+    server = _uvicorn_server(build_app(lambda token: backend if token is None else None, serve_root=True), guard,
                              graceful_shutdown_s=SHUTDOWN_S)
     real_startup, real_exit, loop = server.startup, server.handle_exit, None
 

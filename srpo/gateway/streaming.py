@@ -19,37 +19,59 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
+import traceback
 from typing import Any, AsyncIterator
 
 from srpo.gateway import responses
 from srpo.gateway.protocol import Choice, CompletionRequest, error_body
 
+log = logging.getLogger(__name__)
+
 
 class TokenText:
-    """The text of one reply as its tokens arrive: :meth:`push` returns what may be sent now."""
+    """The text of one reply as its tokens arrive: :meth:`push` returns what may be sent now.
+
+    Decoding is incremental, as vLLM's detokenizer does it: each token decodes a window of the
+    last few ids (from ``prefix`` — the ids before the last emitted piece, which give the
+    tokenizer its context for spaces and merges — to the end), so a reply of n tokens costs O(n)
+    decoding, not O(n²) as re-decoding the whole reply each token did."""
 
     def __init__(self, tokenizer, stops: tuple[str, ...] = ()):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.sent = ""
+        self.text = ""  # everything decoded so far
+        self.n_sent = 0  # characters of ``text`` already sent
+        self.prefix, self.read = 0, 0  # the decoding window: ids[prefix:read] is decoded text
         self.hold = max((len(s) for s in stops), default=1) - 1
+
+    @property
+    def sent(self) -> str:
+        return self.text[: self.n_sent]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # a character whose bytes have not all arrived
+        before = self._decode(self.ids[self.prefix:self.read])
+        now = self._decode(self.ids[self.prefix:])
+        if now.endswith("\ufffd") or len(now) <= len(before):  # a character whose bytes have not all arrived
             return ""
-        safe = text[: len(text) - self.hold] if self.hold else text
-        if not safe.startswith(self.sent) or len(safe) <= len(self.sent):
+        self.text += now[len(before):]
+        self.prefix, self.read = self.read, len(self.ids)
+        end = len(self.text) - self.hold
+        if end <= self.n_sent:
             return ""
-        piece, self.sent = safe[len(self.sent):], safe
+        piece, self.n_sent = self.text[self.n_sent:end], end
         return piece
 
     def finish(self, final: str) -> str:
         """What remains to send of the reply's final text (the stop string already removed)."""
-        return final[len(self.sent):] if final.startswith(self.sent) else ""
+        sent = self.sent
+        return final[len(sent):] if final.startswith(sent) else ""
 
 
 def streams_tokens(req: CompletionRequest, backend) -> bool:
@@ -104,8 +126,9 @@ def _sse(obj: Any) -> str:
 async def _result(task):
     try:
         return await task, None
-    except Exception as err:  # noqa: BLE001 — the stream has begun: the error goes on the wire as an event
-        return None, error_body(f"{type(err).__name__}: {err}", kind="server_error")
+    except Exception:  # noqa: BLE001 — the stream has begun: a generic error event on the wire, the cause in the log
+        log.error("a streamed generation failed:\n%s", traceback.format_exc())
+        return None, error_body("the generation failed (the server's log says why)", kind="server_error")
 
 
 @_cancel_on_close

@@ -14,11 +14,13 @@ Without ``return_scores`` each entry is the document itself.  ``contents`` is Se
 ``"Title"\\ntext``; srpo's server adds ``title`` and ``text`` fields, which the client prefers when
 present.  ``GET /health`` reports the corpus size.
 
-Limits (so that one client cannot take the server from the others): at most 20,000 passages per
+Limits (so that one client cannot take the server from the others): a body of at most 1 MiB
+(413, from ``Content-Length`` before reading), whole within 30 s (408), at most 20,000 passages per
 request (queries × topk; more is refused with 413 before any work), a response of at most 32 MiB
 (413), queries of at most 4,096 characters (422) and 4,096 queries (422); a connection that has
-not sent a complete request head within 10 s is closed, a body that stalls for 30 s ends the
-request, and at most 1,024 connections are served at once (503 beyond) — :mod:`srpo.runs.serving`.
+not sent a complete request head within 10 s is closed, and at most 1,024 connections are served
+at once (503 beyond); with ``--api-key`` every request needs the key, and on a loopback bind only
+loopback ``Host`` names are served — :mod:`srpo.runs.serving`.
 """
 
 # No ``from __future__ import annotations`` here: FastAPI reads the request model's annotations
@@ -47,10 +49,12 @@ MAX_QUERY_CHARS = 4096
 
 
 def build_app(retriever: BM25Retriever, default_topk: int = 3, *, max_results: int = MAX_RESULTS,
-              max_response_bytes: int = MAX_RESPONSE_BYTES):
+              max_response_bytes: int = MAX_RESPONSE_BYTES, docs: bool = False):
     """The FastAPI application serving ``retriever``.  A request asking for more than
     ``max_results`` passages (queries × topk) is refused with 413 before any work; one whose
-    passages would exceed ``max_response_bytes`` with 413 too — split it into smaller requests."""
+    passages would exceed ``max_response_bytes`` with 413 too — split it into smaller requests.
+    ``docs``: also serve FastAPI's ``/docs`` and ``/openapi.json`` (off: they describe the server
+    to whoever asks)."""
     from fastapi import FastAPI, HTTPException
     from pydantic import BaseModel, Field
 
@@ -59,7 +63,8 @@ def build_app(retriever: BM25Retriever, default_topk: int = 3, *, max_results: i
         topk: int | None = Field(default=None, ge=1, le=1000)
         return_scores: bool = False
 
-    app = FastAPI(title="srpo BM25 retrieval (Search-R1 API)")
+    pages = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="srpo BM25 retrieval (Search-R1 API)", **pages)
 
     @app.get("/health")
     def health() -> dict[str, Any]:
@@ -90,17 +95,28 @@ def build_app(retriever: BM25Retriever, default_topk: int = 3, *, max_results: i
     return app
 
 
-def serve(retriever: BM25Retriever, host: str = "127.0.0.1", port: int = 8000, default_topk: int = 3) -> None:
+MAX_BODY_BYTES = 1 << 20  # 1 MiB: 256 queries of the longest allowed length
+
+
+def serve(retriever: BM25Retriever, host: str = "127.0.0.1", port: int = 8000, default_topk: int = 3, *,
+          api_key: str = "", docs: bool = False) -> None:
     """Serve until interrupted: a port in use is a :class:`~srpo.runs.serving.ServeError` (one ``error:``
-    line); slow clients are cut off (header and body timeouts) and connections are capped
-    (:func:`srpo.runs.serving.uvicorn_server`)."""
+    line); slow clients are cut off (header and body deadlines), bodies are bounded, connections
+    are capped, and with ``api_key`` every request needs it (:mod:`srpo.runs.serving`)."""
     from srpo.runs import serving
 
     sock = serving.bind(host, port)  # before the corpus is served: a port in use fails here, clearly
-    serving.uvicorn_server(build_app(retriever, default_topk)).run(sockets=[sock])
+    serving.warn_if_exposed(host, api_key, "srpo retriever serve")
+    guard = serving.Guard(api_key=api_key, loopback_only=serving.is_loopback(host), max_body_bytes=MAX_BODY_BYTES,
+                          body_deadline_s=30.0)
+    serving.uvicorn_server(build_app(retriever, default_topk, docs=docs), guard=guard).run(sockets=[sock])
 
 
 # ------------------------------------------------------------------------------------ client
+
+
+#: The retrieval server's API key, for ``srpo retriever serve --api-key`` and :class:`HTTPRetriever`.
+API_KEY_ENV = "SRPO_RETRIEVER_API_KEY"
 
 
 class RetrieverUnavailable(RuntimeError):
@@ -132,13 +148,18 @@ class HTTPRetriever:
     counts requests, retries, failures and timeouts over the client's life.
     """
 
-    def __init__(self, url: str, *, timeout_s: float = 5.0, retries: int = 2, backoff_s: float = 0.2):
+    def __init__(self, url: str, *, timeout_s: float = 5.0, retries: int = 2, backoff_s: float = 0.2,
+                 api_key: str | None = None):
+        import os
+
         import httpx
 
         self.url = url if url.rstrip("/").endswith("/retrieve") else url.rstrip("/") + "/retrieve"
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
         self._httpx = httpx
-        self._client = httpx.Client(timeout=timeout_s)
+        # The key comes from the environment, never from a config file (configs are saved in runs).
+        key = os.environ.get(API_KEY_ENV, "") if api_key is None else api_key
+        self._client = httpx.Client(timeout=timeout_s, headers={"Authorization": f"Bearer {key}"} if key else {})
         self._lock = threading.Lock()  # tools run in a thread pool
         self.stats = {"requests": 0, "retries": 0, "failures": 0, "timeouts": 0}
 

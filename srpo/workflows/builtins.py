@@ -23,7 +23,7 @@ without a corpus or retrieval server an error.
 from __future__ import annotations
 
 import typing
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Annotated, Any
 
 from pydantic import Field, TypeAdapter, ValidationError
@@ -40,7 +40,7 @@ from srpo.workflows.parsing import (
     search_call_context,
 )
 from srpo.types import RoleSpec
-from srpo.workflows.runtime import EpisodeContext
+from srpo.workflows.runtime import EpisodeContext, WorkflowError
 
 QA_SYSTEM = "Answer the question with a short phrase inside <answer> and </answer>."
 SEARCH_SYSTEM = (
@@ -130,6 +130,32 @@ class Single(Workflow):
 
     async def run(self, ctx, task):
         return (await ctx.ask("solver", task.question)).text
+
+
+@dataclass
+class Roles(Workflow):
+    """Named roles and no program: what ``srpo serve`` builds for a run of an agent program
+    (``openai_agent``) that it was not asked to run (:mod:`srpo.runs.trust`).  Clients call each
+    role as ``model=<role>``; it runs no episodes."""
+
+    name = "roles"
+    option_aliases: typing.ClassVar[dict[str, str]] = {"roles": "role_names"}
+    role_names: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.role_names:
+            raise OptionError("roles", "name the roles to serve, e.g. [solver, judge]")
+
+    def roles(self):
+        return list(self.role_names)
+
+    def default_role_specs(self):
+        # as openai_agent's: the client writes the messages
+        params = SamplingParams(temperature=self.temperature, max_new_tokens=self.max_new_tokens)
+        return {r: RoleSpec(r, sampling=params) for r in self.roles()}
+
+    async def run(self, ctx, task):
+        raise WorkflowError("the roles workflow serves roles to clients; it runs no episodes (give --workflow)")
 
 
 @dataclass
@@ -336,7 +362,7 @@ def register_workflow(cls: type[Workflow]) -> type[Workflow]:
     return WORKFLOWS.register(cls.name, cls, **_workflow_meta(cls))
 
 
-for _cls in (Single, SolverVerifier, ParallelAggregate, Routed, Search, SearchTeam):
+for _cls in (Single, Roles, SolverVerifier, ParallelAggregate, Routed, Search, SearchTeam):
     register_workflow(_cls)
 
 

@@ -1,0 +1,265 @@
+"""The built-in workflows rewritten with nothing but the ``openai`` client, for the gateway's
+equivalence tests (tests/gateway/test_gateway.py).  Each is what a user would write: no srpo import."""
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+from openai import AsyncOpenAI, OpenAI
+
+
+def _client(url):
+    return OpenAI(base_url=url, api_key="unused", max_retries=0)
+
+
+def _ask(client, model, content, **kw):
+    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}], **kw)
+    return reply.choices[0].message.content or ""
+
+
+def single(task, url):
+    return _ask(_client(url), "solver", task.question)
+
+
+def solver_verifier(task, url, rounds=2):
+    client, content, solution = _client(url), task.question, ""
+    for _ in range(rounds):
+        solution = _ask(client, "solver", content)
+        verdict = _ask(client, "verifier", f"Problem: {task.question}\n\nProposed solution:\n{solution}")
+        if verdict.strip().upper().startswith("ACCEPT"):
+            break
+        content = (f"{task.question}\n\nA previous attempt:\n{solution}\n\nFeedback on it:\n{verdict}\n\n"
+                   f"Solve it again.")
+    return solution
+
+
+def _aggregate(client, task, answers):
+    listing = "\n".join(f"({i}) {a}" for i, a in enumerate(answers, 1))
+    return _ask(client, "aggregator", f"Problem: {task.question}\n\nAnswers proposed by other solvers:\n{listing}\n\n"
+                                      f"Decide which answer is correct and give it.")
+
+
+def parallel_aggregate(task, url, workers=3):
+    client = _client(url)
+    with ThreadPoolExecutor(workers) as pool:
+        answers = list(pool.map(lambda i: _ask(client, f"worker_{i}", task.question), range(1, workers + 1)))
+    return _aggregate(client, task, answers)
+
+
+def routed(task, url, workers=3):
+    client = _client(url)
+    # The router's reply steers the code but is never quoted: tag it as its own transition.
+    choice = _ask(client, "router", task.question, extra_headers={"x-srpo-event": "router"})
+    chosen = sorted({int(n) for n in re.findall(r"\d+", choice.split("WORKERS:")[-1]) if 1 <= int(n) <= workers})
+    chosen = chosen or list(range(1, workers + 1))
+    with ThreadPoolExecutor(len(chosen)) as pool:
+        answers = list(pool.map(lambda i: _ask(client, f"worker_{i}", task.question), chosen))
+    return _aggregate(client, task, answers)
+
+
+async def parallel_aggregate_async(task, url, workers=3):
+    import asyncio
+
+    client = AsyncOpenAI(base_url=url, api_key="unused", max_retries=0)
+
+    async def ask(model, content):
+        reply = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}])
+        return reply.choices[0].message.content or ""
+
+    answers = await asyncio.gather(*[ask(f"worker_{i}", task.question) for i in range(1, workers + 1)])
+    listing = "\n".join(f"({i}) {a}" for i, a in enumerate(answers, 1))
+    return await ask("aggregator", f"Problem: {task.question}\n\nAnswers:\n{listing}\n\nGive the correct one.")
+
+
+def reward_of_length(task, url):
+    """Returns a reward, not an answer."""
+    return len(_ask(_client(url), "solver", task.question)) / 100.0
+
+
+def raises_sometimes(task, url):
+    answer = _ask(_client(url), "solver", task.question)
+    if task.question.endswith("1?"):
+        raise RuntimeError("the program broke on this one")
+    return answer
+
+
+def sleeps(task, url):
+    import time
+
+    answer = _ask(_client(url), "solver", task.question)
+    if task.question.endswith("1?"):
+        time.sleep(30)  # past the workflow's timeout_s in the test
+    return answer
+
+
+def langgraph_team(task, url):
+    """Two solvers in parallel and a judge, as a LangGraph graph over langchain-openai's ChatOpenAI."""
+    from typing import TypedDict
+
+    from langchain_openai import ChatOpenAI
+    from langgraph.graph import END, START, StateGraph
+
+    def model(name):
+        return ChatOpenAI(model=name, base_url=url, api_key="unused", max_retries=0, temperature=1.0)
+
+    class State(TypedDict, total=False):
+        question: str
+        first: str
+        second: str
+        final: str
+
+    def solver(name, key):
+        def node(state):
+            return {key: model(name).invoke(state["question"]).content}
+        return node
+
+    def judge(state):
+        prompt = f"{state['question']}\nAnswer 1: {state['first']}\nAnswer 2: {state['second']}\nWhich is right?"
+        return {"final": model("judge").invoke(prompt).content}
+
+    graph = StateGraph(State)
+    graph.add_node("solver_1", solver("solver_1", "first"))
+    graph.add_node("solver_2", solver("solver_2", "second"))
+    graph.add_node("judge", judge)
+    graph.add_edge(START, "solver_1")
+    graph.add_edge(START, "solver_2")
+    graph.add_edge(["solver_1", "solver_2"], "judge")
+    graph.add_edge("judge", END)
+    return graph.compile().invoke({"question": task.question})["final"]
+
+
+# -- clients configured once per process (what the Agents SDK's docs and OPENAI_BASE_URL users do) --
+_FROM_ENV = None
+_DEFAULT = None
+
+
+def configured_from_env(task, url):
+    """A module-level client built once from OPENAI_BASE_URL / OPENAI_API_KEY, base_url ignored."""
+    global _FROM_ENV
+    if _FROM_ENV is None:
+        _FROM_ENV = OpenAI(max_retries=0)
+    reply = _FROM_ENV.chat.completions.create(model="solver", messages=[{"role": "user", "content": task.question}])
+    return reply.choices[0].message.content or ""
+
+
+def default_client_per_episode(task, url):
+    """``set_default_openai_client(AsyncOpenAI(base_url=url))`` at the top of each episode: one
+    process-wide client, replaced by whichever episode started last."""
+    import time
+
+    global _DEFAULT
+    _DEFAULT = OpenAI(base_url=url, api_key="unused", max_retries=0)
+    time.sleep(0.3)  # in one process, the other episodes replace the default meanwhile
+    reply = _DEFAULT.chat.completions.create(model="solver", messages=[{"role": "user", "content": task.question}])
+    return reply.choices[0].message.content or ""
+
+
+def hangs_on_one(task, url):
+    import time
+
+    answer = _ask(_client(url), "solver", task.question)
+    if task.task_id == "hang":
+        while True:  # never returns, ignores everything
+            time.sleep(1)
+    return answer
+
+
+def returns_none(task, url):
+    _ask(_client(url), "solver", task.question)
+    return None
+
+
+def makes_no_call(task, url):
+    return "42"
+
+
+def slow_to_ask(task, url):
+    import time
+
+    if task.task_id == "slow":
+        time.sleep(3.0)  # busy with other work before its first call (the batch should not wait for it)
+    return _ask(_client(url), "solver", task.question)
+
+
+# -- the OpenAI Agents SDK, as its docs write it for another provider ---------------------------
+async def agents_sdk_team(task, url, api="responses"):
+    """A lead agent that asks a solver agent (used as a tool), then hands off to a checker who gives
+    the final answer.  The client is configured once for the process, as the SDK's docs show."""
+    from agents import (Agent, ModelSettings, Runner, set_default_openai_api, set_default_openai_client,
+                        set_tracing_disabled)
+
+    set_tracing_disabled(True)
+    set_default_openai_client(AsyncOpenAI(base_url=url, api_key="unused", max_retries=0), use_for_tracing=False)
+    set_default_openai_api(api)
+    solver = Agent(name="solver", model="solver", instructions="Solve the problem. End with the answer.")
+    checker = Agent(name="checker", model="checker", instructions="Check the solution; give the final answer.")
+    lead = Agent(name="lead", model="lead", instructions="Ask the solver, then hand off to the checker.",
+                 tools=[solver.as_tool(tool_name="ask_solver", tool_description="Solves a math problem")],
+                 handoffs=[checker], model_settings=ModelSettings(tool_choice="ask_solver"))
+    result = await Runner.run(lead, task.question, max_turns=6)
+    return str(result.final_output)
+
+
+async def agents_sdk_chat_team(task, url):
+    return await agents_sdk_team(task, url, api="chat_completions")
+
+
+def langgraph_react_agent(task, url):
+    """LangGraph's prebuilt ReAct agent: ChatOpenAI with bind_tools, a Python tool."""
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from langgraph.prebuilt import create_react_agent
+
+    @tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    model = ChatOpenAI(model="solver", base_url=url, api_key="unused", max_retries=0)
+    agent = create_react_agent(model, [add])
+    state = agent.invoke({"messages": [("user", task.question)]}, {"recursion_limit": 8})
+    return state["messages"][-1].content
+
+
+def always_raises(task, url):
+    _ask(_client(url), "solver", task.question)
+    raise ValueError("this program never works")
+
+
+async def agents_sdk_default_client(task, url):
+    """The Agents SDK's docs for other providers: set_default_openai_client once per episode."""
+    import asyncio
+
+    from agents import Agent, Runner, set_default_openai_api, set_default_openai_client, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    set_default_openai_api("chat_completions")
+    set_default_openai_client(AsyncOpenAI(base_url=url, api_key="unused", max_retries=0), use_for_tracing=False)
+    await asyncio.sleep(0.3)  # the other episodes of the step set theirs meanwhile
+    result = await Runner.run(Agent(name="solver", model="solver", instructions="Solve it."), task.question)
+    return str(result.final_output)
+
+
+# -- AutoGen (autogen-agentchat), run by the interpreter of its own virtualenv (.venv-agents) -----
+async def autogen_team(task, url):
+    """A solver with a Python tool and a critic, in AutoGen's round-robin group chat."""
+    from autogen_agentchat.agents import AssistantAgent
+    from autogen_agentchat.conditions import MaxMessageTermination
+    from autogen_agentchat.teams import RoundRobinGroupChat
+    from autogen_ext.models.openai import OpenAIChatCompletionClient
+
+    info = {"vision": False, "function_calling": True, "json_output": False, "family": "unknown",
+            "structured_output": False}
+
+    def client(model):
+        return OpenAIChatCompletionClient(model=model, base_url=url, api_key="unused", model_info=info, max_retries=0)
+
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    solver = AssistantAgent("solver", model_client=client("solver"), tools=[add],
+                            system_message="Solve the problem with the add tool.")
+    critic = AssistantAgent("critic", model_client=client("critic"), system_message="Check it; give the final answer.")
+    team = RoundRobinGroupChat([solver, critic], termination_condition=MaxMessageTermination(3))
+    result = await team.run(task=task.question)
+    return str(result.messages[-1].content)

@@ -1,0 +1,218 @@
+"""Reliability IV (the rest of issue #38): rows no tokenizer can take, evaluation memory flat in k,
+a checkpoint pruned while it loads, and Ctrl-C during a step.  (srpo serve under load:
+tests/serving/test_serve_load.py.)"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import weakref
+from pathlib import Path
+
+import pytest
+
+from srpo.tasks.base import DatasetError
+from helpers.runs import ENV, cli_train, trained  # noqa: F401  (shared helpers)
+from helpers import HELPERS
+
+
+def test_a_row_no_tokenizer_can_take_is_refused_at_load_naming_file_and_line(tmp_path):
+    from srpo.tasks.math import load_math
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"question": "What is 1 + 1?", "answer": "2"}\n'
+                    '{"question": "What is \\ud800 + 1?", "answer": "3"}\n')
+    with pytest.raises(DatasetError, match=rf"{path}, line 2: the question is not valid Unicode text: surrogates not "
+                                           r"allowed \(U\+D800\) at character 8"):
+        load_math(path)
+    tasks, report = load_math(path, skip_bad_rows=True)
+    assert [t.question for t in tasks] == ["What is 1 + 1?"] and report.skipped == 1
+
+
+def test_evaluation_keeps_no_episode_past_its_chunk_and_writes_every_one(tmp_path, monkeypatch):
+    from srpo.evaluation import evaluate
+    from srpo.policies.scripted import ScriptedPolicies
+    from srpo.tasks.base import Task
+    from srpo.workflows.builtins import build_workflow
+    from srpo.workflows.runtime import Runtime
+
+    workflow = build_workflow("single")
+    policies = ScriptedPolicies(lambda role, prompt: "The answer is 2.", workflow.roles())
+    refs: list[weakref.ref] = []  # every episode the runtime returned (EpisodeResult is unhashable)
+    most = []
+    real_run = Runtime.run
+
+    def run(self, wf, jobs):
+        gc.collect()
+        most.append(sum(r() is not None for r in refs))  # episodes of earlier chunks still held now
+        out = real_run(self, wf, jobs)
+        refs.extend(weakref.ref(ep) for ep in out)
+        return out
+
+    monkeypatch.setattr(Runtime, "run", run)
+    tasks = [Task(f"t{i}", f"What is 1 + {i}?", (str(1 + i),), "math") for i in range(40)]
+    k = 8
+    results = evaluate(policies, workflow, workflow.default_role_specs(), {"set": tasks}, k=k,
+                       episodes_path=tmp_path / "episodes.jsonl")
+    gc.collect()
+    assert len(most) > 3 and max(most) == 0  # flat: nothing kept across chunks
+    assert not any(r() is not None for r in refs)
+    lines = [json.loads(x) for x in (tmp_path / "episodes.jsonl").read_text().splitlines()]
+    assert len(lines) == 40 * k and {(x["task_id"], x["sample"]) for x in lines} == {
+        (f"t{i}", j) for i in range(40) for j in range(k)}
+    assert results["datasets"]["set"][f"avg@{k}"] == pytest.approx(1 / 40)  # only 1 + 1 = 2 is right
+    assert sum(x["reward"] for x in lines) == k
+
+
+@pytest.mark.slow
+def test_a_checkpoint_pruned_while_it_loads_gives_way_to_the_newest(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    from srpo import build
+    from srpo.apps import cli
+
+    run = tmp_path / "run"
+    trained(run, ["run.steps=2"])
+    first = cli._checkpoint_for_eval(str(run))
+    newer = first.with_name("step-00000099")
+    shutil.copytree(first, newer)  # what the still-running training saves meanwhile
+    team = build.team(build.config_from_dict(build.checkpoint_config(first), training=False))
+    real = team.policies.load_pretrained_weights
+
+    def load(folder):
+        if Path(folder).parent == first:  # ... pruning the checkpoint this evaluation began to load
+            shutil.rmtree(first)
+            raise FileNotFoundError(f"{folder}/shared/model.safetensors")
+        return real(folder)
+
+    team.policies.load_pretrained_weights = load
+    monkeypatch.setattr(cli, "_checkpoint_for_eval", lambda model: newer)
+    assert cli._load_checkpoint(team, first, str(run)) == newer
+    assert f"checkpoint {first.name} was pruned by the still-running training while it loaded; loading the " \
+           f"newest, step-00000099" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_step_exits_within_seconds(tmp_path):
+    """SIGINT while rewards run slow (2 s each): the run ends promptly, not after the step."""
+    run = tmp_path / "run"
+    env = {**ENV, "PYTHONPATH": f"{ENV['PYTHONPATH']}{os.pathsep}{HELPERS}"}
+    proc = subprocess.Popen(cli_train(run, ["run.steps=50", "task.reward=slow_reward:reward"]), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (run / "metrics.jsonl").is_file() and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)  # inside the next step's rewards
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=60)
+    assert time.monotonic() - start < 3.0
+    assert proc.returncode != 0
+
+
+class _ToolThenAsk:
+    """A workflow that calls a tool (slow for some episodes), then asks the solver."""
+
+    def __init__(self, delays):
+        self.delays = delays  # episode id → seconds its tool takes
+
+    async def run(self, ctx, task):
+        def tool():
+            time.sleep(self.delays.get(ctx.episode_id, 0.0))
+            return "found"
+
+        result = await ctx.call_tool("search", tool)
+        return (await ctx.ask("solver", f"{task.question} ({result.value if result.ok else 'no result'})")).text
+
+
+def _tool_run(delays, tool_timeout_s=10.0):
+    import torch
+
+    from srpo.policies.layouts import build_policies
+    from srpo.policies.sampling import SamplingParams
+    from srpo.rollout.builtin import BuiltinEngine
+    from srpo.tasks.base import Task
+    from srpo.types import RoleSpec
+    from srpo.workflows.runtime import Runtime
+
+    policies = build_policies("shared", "tiny-llama", ["solver"], seed=0)
+    runtime = Runtime(BuiltinEngine(policies), {"solver": RoleSpec("solver", sampling=SamplingParams(max_new_tokens=8))},
+                      lambda t, a: 0.0, generator=torch.Generator().manual_seed(0), tool_timeout_s=tool_timeout_s)
+    tasks = [Task(f"t{i}", f"What is {i} + 1?", (str(i + 1),), "math") for i in range(4)]
+    return runtime.run(_ToolThenAsk(delays), [(f"e{i}", t) for i, t in enumerate(tasks)])
+
+
+def test_a_frozen_tool_costs_its_call_its_time_limit_and_nothing_else():
+    start = time.monotonic()
+    results = _tool_run({"e1": 30.0}, tool_timeout_s=1.0)  # e1's service never answers
+    assert time.monotonic() - start < 10  # not 30 s: the call is abandoned, the loop never blocked
+    assert [r.info.get("tool_timeouts", 0) for r in results] == [0, 1, 0, 0]
+
+
+def test_the_batch_and_its_samples_do_not_depend_on_which_tool_finished_first():
+    first = _tool_run({"e0": 0.6, "e3": 0.0})
+    second = _tool_run({"e0": 0.0, "e3": 0.6})  # the other order of arrival at the batch
+    assert [r.answer for r in first] == [r.answer for r in second]
+    assert [[m.completion_ids for e in r.events for m in e.members] for r in first] == \
+           [[m.completion_ids for e in r.events for m in e.members] for r in second]
+
+
+def test_a_run_logs_its_peak_memory_and_states_it_against_the_floor(tmp_path):
+    from srpo.runs.metrics_log import read_metrics
+    from srpo.train import memory
+
+    trainer = trained(tmp_path / "run", ["run.steps=2"])
+    rows = read_metrics(tmp_path / "run")
+    assert all(0 < r["memory/rss_gb"] <= r["memory/peak_rss_gb"] for r in rows)
+    assert rows[0]["memory/peak_rss_gb"] <= rows[1]["memory/peak_rss_gb"]  # a peak so far never falls
+    floor = memory.floor_bytes(trainer.policies.modules(), trainer.optimizers.values())
+    model = trainer.policies.modules()[0]
+    n = sum(p.numel() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert floor == 16 * n + buffers  # float32 weights, gradients and two AdamW moments (+ rotary tables)
+    assert f"the floor of {floor / 2**20:.1f} MB (weights" in trainer.memory_summary()  # the tiny model: MB
+
+
+def test_a_run_says_what_it_needs_before_its_first_step_and_warns_when_that_cannot_fit(tmp_path, monkeypatch,
+                                                                                         capsys):
+    from srpo.train import memory
+
+    trainer = trained(tmp_path / "run", ["run.steps=1"])
+    floor = memory.floor_bytes(trainer.policies.modules(), trainer.optimizers.values())
+    line, fits = trainer.memory_preflight()
+    assert fits and f"needs at least {memory.human(floor)} (weights, gradients, AdamW moments)" in line
+    assert "of memory is free now" in line and memory.available_bytes() > floor
+    monkeypatch.setattr(memory, "available_bytes", lambda device=None: floor // 2)  # a machine too small
+    line, fits = trainer.memory_preflight()
+    assert not fits and "the floor alone does not fit" in line and "model.layout: lora" in line
+    capsys.readouterr()  # what training wrote before
+    trainer.announce_memory_preflight()
+    assert capsys.readouterr().err.startswith("warning: memory: this run needs at least")
+    weights, training = memory.floor_parts(trainer.policies.modules(), trainer.optimizers.values())
+    assert weights + training == floor and training == 12 * sum(p.numel() for p in trainer.policies.modules()[0].parameters())
+    # The weights are loaded already: room for the gradients and moments is enough, less is not.
+    monkeypatch.setattr(memory, "available_bytes", lambda device=None: training + 1)
+    assert trainer.memory_preflight()[1]
+    monkeypatch.setattr(memory, "available_bytes", lambda device=None: training - 1)
+    assert not trainer.memory_preflight()[1]
+    monkeypatch.setattr(memory, "available_bytes", lambda device=None: None)  # nothing readable: no claim
+    line, fits = trainer.memory_preflight()
+    assert fits and "free" not in line
+
+
+def test_a_cgroup_limit_caps_the_memory_said_to_be_free(monkeypatch, tmp_path):
+    from srpo.train import memory
+
+    (tmp_path / "memory.max").write_text("1000\n")
+    (tmp_path / "memory.current").write_text("900\n")
+    (tmp_path / "memory.stat").write_text("anon 500\nfile 400\ninactive_file 300\n")
+    assert memory._cgroup_room(str(tmp_path)) == 400  # the inactive page cache is reclaimable: room
+    (tmp_path / "memory.max").write_text("max\n")
+    assert memory._cgroup_room(str(tmp_path)) is None  # no limit
+    monkeypatch.setattr(memory, "_cgroup_room", lambda: 12345)
+    assert memory.available_bytes() == 12345

@@ -1,0 +1,346 @@
+"""Safe to expose: a run folder from someone else never runs code on ``srpo serve``/``srpo eval``,
+and the servers hold against hostile clients (API key, Host names, JSON only, bounded bodies and
+nesting, streams that never hold the event loop).  docs/security.md lists what each test guards."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("starlette")
+
+from helpers import HELPERS, ROOT  # noqa: E402
+from helpers.runs import ENV, free_port, trained  # noqa: E402
+from srpo.apps.cli import main  # noqa: E402
+from srpo.runs import serving  # noqa: E402
+
+DATA = ["--data", "synthetic_arithmetic:level=0:n=1:split=test", "-k", "1", "--max-new-tokens", "2"]
+
+
+# ------------------------------------------------------------------ 1. a run folder never runs code
+
+def _plant(run: Path, marker: Path, folder: Path, **changes) -> None:
+    """Rewrite the newest checkpoint's config as an attacker would — naming code that writes
+    ``marker`` when imported — and re-sign its manifest so that it verifies."""
+    from srpo.runs.checkpoint import MANIFEST, latest_pointer
+    from srpo.runs.fileio import sha256_file
+
+    (folder / "evil.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+        "def solve(task, base_url):\n    return '1'\n"
+        "def reward(task, answer):\n    return 1.0\n"
+        "class Team:\n    pass\n")
+    checkpoint = latest_pointer(run)
+    config = json.loads((checkpoint / "config.json").read_text())
+    for dotted, value in changes.items():
+        node = config
+        *parents, last = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    manifest["files"] = {p.relative_to(checkpoint).as_posix(): {"size": p.stat().st_size, "sha256": sha256_file(p)}
+                         for p in sorted(checkpoint.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("victim") / "run"
+    trained(run, ["run.steps=1"])
+    return run
+
+
+@pytest.fixture
+def planted(finished_run, tmp_path, monkeypatch):
+    """A copy of a finished run whose config names code; the code's folder is importable."""
+    import shutil
+
+    run = tmp_path / "downloaded"
+    shutil.copytree(finished_run, run)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return run, tmp_path / "MARKER", tmp_path
+
+
+def test_eval_refuses_a_folders_program_and_import_paths_unless_trusted(planted, capsys):
+    run, marker, folder = planted
+    program = f"{folder / 'evil.py'}:solve"
+    _plant(run, marker, folder, **{"workflow.name": "openai_agent",
+                                   "workflow.options": {"entry": program, "roles": ["solver"]}})
+    assert main(["eval", "--model", str(run), *DATA]) == 2
+    err = capsys.readouterr().err
+    assert "workflow.options.entry" in err and "--trust-run-code" in err and not marker.exists()
+    # The user's own workflow replaces the folder's: the weights are evaluated, nothing of the folder runs.
+    assert main(["eval", "--model", str(run), "--workflow", "single", *DATA]) == 0
+    assert not marker.exists()
+    # Asked for on the command line, the folder's program is loaded.
+    main(["eval", "--model", str(run), "--trust-run-code", *DATA])
+    assert marker.read_text() == "ran"
+
+
+def test_import_paths_in_a_folder_are_refused_or_dropped_never_imported(planted, capsys):
+    run, marker, folder = planted
+    _plant(run, marker, folder, **{"workflow.name": "evil:Team", "task.reward": "evil:reward",
+                                   "rollout.engine": "evil:Team", "method.loss": "evil:reward",
+                                   "log.backends": ["evil:Team"], "train.parallel": "evil:Team"})
+    assert main(["eval", "--model", str(run), *DATA]) == 2
+    err = capsys.readouterr().err
+    for key in ("workflow.name", "task.reward", "rollout.engine"):
+        assert key in err
+    assert "method.loss" not in err and "train.parallel" not in err  # unused by eval: dropped, not imported
+    assert not marker.exists() and "evil" not in sys.modules
+
+
+def test_serve_serves_an_agent_programs_roles_without_the_program(planted):
+    run, marker, folder = planted
+    _plant(run, marker, folder, **{"workflow.name": "openai_agent",
+                                   "workflow.options": {"entry": f"{folder / 'evil.py'}:solve",
+                                                        "roles": ["solver"]}})
+    proc = subprocess.Popen([sys.executable, "-m", "srpo.apps.cli", "serve", "--model", str(run), "--port", "0"],
+                            env={**ENV, "PYTHONPATH": f"{ROOT}{os.pathsep}{folder}"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        said = []
+        while not said or "http://" not in said[-1]:
+            said.append(proc.stdout.readline())
+            assert said[-1] or proc.poll() is None, "".join(said)
+        url = re.search(r"(http://\S+/v1)", said[-1]).group(1)
+        assert [m["id"] for m in httpx.get(f"{url}/models", timeout=30).json()["data"]] == ["solver"]
+        reply = httpx.post(f"{url}/chat/completions", timeout=60,
+                           json={"model": "solver", "messages": [{"role": "user", "content": "1+1?"}], "max_tokens": 2})
+        assert reply.status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert "without its agent program" in "".join(said) and not marker.exists()
+
+
+# ------------------------------------------------------------------ 2. the servers against clients
+
+@pytest.fixture(scope="module")
+def guarded():
+    """``serve_forever`` with an API key on a stand-in engine that streams 4,096-token replies."""
+    proc = subprocess.Popen([sys.executable, str(HELPERS / "serve_worker.py"), "0", "--api-key", "sesame",
+                             "--stream-tokens", "4096"], env=ENV, stdout=subprocess.PIPE, text=True)
+    url = proc.stdout.readline().strip()
+    assert url.startswith("http://"), url
+    yield url, proc
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+KEY = {"Authorization": "Bearer sesame"}
+
+
+def _chat(**kw):
+    return {"model": "solver", "messages": [{"role": "user", "content": "hi"}], **kw}
+
+
+def _raw(url: str, head: str, body_chunks=()) -> bytes:
+    """Send a request head (and body chunks, stopping when the server stops reading); the reply."""
+    host, port = re.match(r"http://([^:/]+):(\d+)", url).groups()
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(head.encode())
+        try:
+            for chunk in body_chunks:
+                s.sendall(chunk)
+        except OSError:  # the server refused and closed: what a bounded server does
+            pass
+        reply = b""
+        try:
+            while (data := s.recv(65536)):
+                reply += data
+        except OSError:
+            pass
+        return reply
+
+
+def test_the_api_key_content_type_and_host_are_checked(guarded):
+    url, _ = guarded
+    assert httpx.post(f"{url}/chat/completions", json=_chat()).status_code == 401
+    assert httpx.post(f"{url}/chat/completions", json=_chat(), headers={"Authorization": "Bearer sesamE"}).status_code == 401
+    assert httpx.get(f"{url}/models").status_code == 401
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=url, api_key="sesame", max_retries=0)
+    assert client.chat.completions.create(model="solver", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=4).choices[0].message.content
+    # JSON sent as text/plain (what a web page's simple request may do) is refused
+    plain = httpx.post(f"{url}/chat/completions", content=json.dumps(_chat()),
+                       headers={**KEY, "Content-Type": "text/plain"})
+    assert plain.status_code == 415
+    # a loopback server answers loopback Host names only (DNS rebinding)
+    port = url.split(":")[2].split("/")[0]
+    assert httpx.get(f"{url}/models", headers={**KEY, "Host": f"evil.example:{port}"}).status_code == 403
+    assert httpx.get(f"{url}/models", headers={**KEY, "Host": f"localhost:{port}"}).status_code == 200
+
+
+def test_oversized_deep_and_malformed_bodies_are_refused_plainly(guarded):
+    url, _ = guarded
+    path = "/v1/chat/completions"
+    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer sesame\r\nContent-Type: application/json\r\n"
+    # declared too long: refused from the header, before a byte of the body is sent
+    reply = _raw(url, head + f"Content-Length: {100 << 20}\r\n\r\n")
+    assert reply.startswith(b"HTTP/1.1 413")
+    # chunked past the limit: the server stops reading at the limit
+    chunk = b"%x\r\n%s\r\n" % (1 << 20, b" " * (1 << 20))
+    reply = _raw(url, head + "Transfer-Encoding: chunked\r\n\r\n", [chunk] * 100)
+    assert reply.startswith(b"HTTP/1.1 413")
+    deep = "[" * 100_000 + "]" * 100_000
+    for body, status in [(deep, 400), ("{not json", 400), ('{"model": "solver", "messages": 7}', 400)]:
+        r = httpx.post(f"{url}/chat/completions", content=body, headers={**KEY, "Content-Type": "application/json"})
+        assert r.status_code == status, (body[:20], r.text)
+        assert "Traceback" not in r.text and "RecursionError" not in r.text and "JSONDecodeError" not in r.text
+
+
+def _peak_rss_mib(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) / 1024
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the server's peak memory from /proc")
+def test_parallel_oversized_bodies_leave_the_servers_memory_bounded(guarded):
+    url, proc = guarded
+    before = _peak_rss_mib(proc.pid)
+    head = ("POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer sesame\r\n"
+            "Content-Type: application/json\r\n")
+    chunk = b"%x\r\n%s\r\n" % (1 << 20, b" " * (1 << 20))
+    senders = [threading.Thread(target=_raw, args=(url, head + f"Content-Length: {100 << 20}\r\n\r\n", [b" " * (1 << 20)] * 100))
+               for _ in range(8)]
+    senders += [threading.Thread(target=_raw, args=(url, head + "Transfer-Encoding: chunked\r\n\r\n", [chunk] * 100))
+                for _ in range(8)]
+    for t in senders:
+        t.start()
+    for t in senders:
+        t.join(timeout=120)
+    grown = _peak_rss_mib(proc.pid) - before
+    assert grown < 100, f"the server's peak memory grew by {grown:.0f} MiB under 16 oversized bodies"
+    assert httpx.get(f"{url}/models", headers=KEY).status_code == 200  # and it still serves
+
+
+def test_long_streams_never_hold_the_event_loop(guarded):
+    url, _ = guarded
+
+    def models_latency() -> float:
+        start = time.perf_counter()
+        assert httpx.get(f"{url}/models", headers=KEY, timeout=30).status_code == 200
+        return time.perf_counter() - start
+
+    idle = [models_latency() for _ in range(10)]
+    streamed = []
+
+    def stream():
+        with httpx.stream("POST", f"{url}/chat/completions", headers=KEY, timeout=120,
+                          json=_chat(stream=True, n=2, max_tokens=4096)) as r:
+            streamed.append(sum(1 for line in r.iter_lines() if line.startswith("data: {")))
+
+    threads = [threading.Thread(target=stream) for _ in range(2)]
+    for t in threads:
+        t.start()
+    busy = []
+    while any(t.is_alive() for t in threads):
+        busy.append(models_latency())
+    for t in threads:
+        t.join()
+    assert len(streamed) == 2 and min(streamed) > 4096  # every token left as a chunk of its own
+    # Against this machine's own idle latency (measured above), not a fixed number of seconds.
+    assert statistics.median(busy) <= statistics.median(idle) + 0.1, (idle, busy)
+
+
+def test_incremental_decoding_is_linear_in_the_reply_and_exact():
+    from srpo.gateway.streaming import TokenText
+    from srpo.policies.tiny import byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    decoded = []
+
+    class Counting:
+        def decode(self, ids, **kw):
+            decoded.append(len(ids))
+            return tokenizer.decode(ids, **kw)
+
+    text = "Héllo wörld — 你好 🙂, and so on.\n" * 100
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    stream = TokenText(Counting(), stops=("STOP",))
+    sent = "".join(stream.push(i) for i in ids)
+    assert sent + stream.finish(text) == text
+    assert sum(decoded) <= 8 * len(ids), "decoding re-read the reply (quadratic)"
+
+
+# ------------------------------------------------------------------ 3. the retrieval server
+
+def test_the_retriever_has_a_key_a_body_limit_and_no_docs_pages():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "srpo.apps.cli", "retriever", "serve", "--corpus",
+                             "synthetic_kb:n=20:seed=0", "--port", str(port), "--api-key", "k"],
+                            env=ENV, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:  # polled until it listens: no guess of how long the index takes to build
+            try:
+                if httpx.get(f"{url}/health", headers={"Authorization": "Bearer k"}).status_code == 200:
+                    break
+            except httpx.ConnectError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+                time.sleep(0.05)
+        from srpo.tasks.retrieval_service import HTTPRetriever
+
+        assert len(HTTPRetriever(url, api_key="k").search("botanist born", 2)) == 2
+        assert httpx.post(f"{url}/retrieve", json={"queries": ["a"]}).status_code == 401
+        for page in ("/docs", "/openapi.json"):
+            assert httpx.get(f"{url}{page}", headers={"Authorization": "Bearer k"}).status_code == 404
+        head = (f"POST /retrieve HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer k\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {100 << 20}\r\n\r\n")
+        assert _raw(url, head).startswith(b"HTTP/1.1 413")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+# ------------------------------------------------------------------ 4. the guard's own parts
+
+def test_a_body_that_trickles_past_the_deadline_is_408_not_a_held_connection():
+    sent = []
+
+    async def app(scope, receive, send):  # never reached
+        raise AssertionError("the app saw a request the guard should have refused")
+
+    async def receive():
+        await asyncio.sleep(0.01)  # one byte at a time, forever
+        return {"type": "http.request", "body": b" ", "more_body": True}
+
+    async def send(message):
+        sent.append(message)
+
+    guard = serving.GuardMiddleware(app, serving.Guard(body_deadline_s=0.3))
+    scope = {"type": "http", "method": "POST", "headers": [(b"host", b"127.0.0.1:1"),
+                                                           (b"content-type", b"application/json")]}
+    asyncio.run(asyncio.wait_for(guard(scope, receive, send), 30))
+    assert sent[0]["status"] == 408
+
+
+def test_json_depth_counts_brackets_outside_strings():
+    assert serving.json_depth(b'{"a": [1, {"b": "[[[[["}]}') == 3
+    assert serving.json_depth(b'"[{\\"[["') == 0
+    assert serving.json_depth(b"[" * 1000 + b"]" * 1000) == 1000
+
+
+def test_an_exposed_server_without_a_key_says_so(capsys):
+    serving.warn_if_exposed("0.0.0.0", "", "srpo serve")
+    assert "reachable from other machines" in capsys.readouterr().err
+    serving.warn_if_exposed("0.0.0.0", "k", "srpo serve")
+    serving.warn_if_exposed("127.0.0.1", "", "srpo serve")
+    assert capsys.readouterr().err == ""
