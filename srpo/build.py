@@ -16,6 +16,7 @@ from srpo.config import Config, ConfigError, DataSource, apply_overrides, parse_
 from srpo.policies.sampling import SamplingParams
 from srpo.tasks.base import Task
 from srpo.tasks.kinds import TaskKind, task_kind
+from srpo.runs.secrets import redacted
 from srpo.types import RoleSpec
 
 
@@ -126,7 +127,8 @@ def policies(cfg: Config, roles: list[str]):
     lora = LoraSettings(r=cfg.model.lora.r, alpha=cfg.model.lora.alpha, dropout=cfg.model.lora.dropout,
                         target_modules=tuple(cfg.model.lora.target_modules))
     built = build_policies(cfg.model.layout, cfg.model.name, roles, role_groups=cfg.model.role_groups or None,
-                           lora=lora, dtype=cfg.model.dtype, seed=cfg.run.seed)
+                           lora=lora, dtype=cfg.model.dtype, seed=cfg.run.seed,
+                           revision=cfg.model.revision)
     if cfg.model.chat_template:
         from srpo.gateway.tools import resolve_chat_template
 
@@ -446,6 +448,6 @@ def metrics_logger(cfg: Config, rank: int, run_dir: Path | None = None):
 
     return MetricsLogger(
         Path(run_dir if run_dir is not None else cfg.run.output_dir), cfg.log.active_backends(), enabled=rank == 0,
-        tracker_options={"project": cfg.log.project, "run_name": cfg.log.run_name, "config": cfg.to_dict(),
+        tracker_options={"project": cfg.log.project, "run_name": cfg.log.run_name, "config": redacted(cfg.to_dict()),
                          "mlflow_tracking_uri": cfg.log.mlflow_tracking_uri, "wandb_mode": cfg.log.wandb_mode,
                          "timeout_s": cfg.log.tracker_timeout_s})

@@ -129,6 +129,9 @@ class ModelConfig(Section):
     init_from: str = ""
     """Start from these weights instead of the pretrained ones: the ``model`` folder ``srpo sft``
     writes (or a checkpoint's), saved with the same layout ('': the pretrained model)."""
+    revision: str = ""
+    """A hub model's revision — a commit hash pins exactly what loads, and the run records it
+    ('': the hub's ``main``, which its owner can change; ignored for registered names and folders)."""
 
 
 class RoleOverride(Section):

@@ -45,6 +45,8 @@ from typing import Any, Callable
 from srpo import build
 from srpo.config import Config
 from srpo.runs.fileio import write_text_atomic
+from srpo.runs.run_dir import SFT_ARTEFACTS
+from srpo.runs.secrets import redacted
 from srpo.tasks.base import DatasetError, Task
 from srpo.train.supervised import Example
 
@@ -212,7 +214,7 @@ def check_sft_config(cfg: Config) -> None:
         raise ConfigError(f"sft.lr: must be > 0, got {s.lr}")
 
 
-SFT_FILES = ("model", "transcripts.jsonl", "sft.json", "config.json")
+SFT_FILES = SFT_ARTEFACTS  # what srpo sft writes (srpo.runs.run_dir knows them, for --overwrite)
 
 
 def sft_artefacts(cfg: Config) -> tuple[str, ...]:
@@ -284,5 +286,5 @@ def _run_sft(cfg: Config, out: Path, progress: bool, resume: bool) -> Path:
                    "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
                    "by_role": {r: sum(1 for e in examples if e.role == r) for r in sorted({e.role for e in examples})}}
         write_text_atomic(out / "sft.json", json.dumps(summary, indent=1))
-        write_text_atomic(out / "config.json", json.dumps(cfg.to_dict(), indent=1, default=str))
+        write_text_atomic(out / "config.json", json.dumps(redacted(cfg.to_dict()), indent=1, default=str))
     return out / "model"

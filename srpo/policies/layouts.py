@@ -400,8 +400,9 @@ def build_policies(
     lora: LoraSettings = LoraSettings(),
     dtype: torch.dtype | str = torch.float32,
     seed: int = 0,
+    revision: str = "",
 ) -> PolicySet:
-    """Build the policies behind ``roles``.
+    """Build the policies behind ``roles`` (``revision``: a hub model's, see :func:`load_model`).
 
     ``role_groups`` (``lora`` and ``separate``) maps a policy id to the roles it serves; by
     default each role has its own policy.
@@ -415,12 +416,12 @@ def build_policies(
         if missing:
             raise ValueError(f"roles {sorted(missing)} belong to no group of role_groups")
     if layout == "shared":
-        base, tok = load_model(model, dtype=dtype, seed=seed)
+        base, tok = load_model(model, dtype=dtype, seed=seed, revision=revision)
         return SharedPolicies(base, tok, roles)
     if layout == "lora":
-        base, tok = load_model(model, dtype=dtype, seed=seed)
+        base, tok = load_model(model, dtype=dtype, seed=seed, revision=revision)
         return LoraPolicies(base, tok, role_to_policy, lora)
     models, tok = {}, None
     for pid in sorted(set(role_to_policy.values())):
-        models[pid], tok = load_model(model, dtype=dtype, seed=seed)
+        models[pid], tok = load_model(model, dtype=dtype, seed=seed, revision=revision)
     return SeparatePolicies(models, tok, role_to_policy)

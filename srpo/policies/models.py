@@ -198,8 +198,12 @@ def load_model(
     device: str | torch.device = "cpu",
     seed: int = 0,
     trust_remote_code: bool = False,
+    revision: str = "",
 ):
     """Load ``(model, tokenizer)`` for a registered name, a local path or a hub id.
+
+    ``revision``: a hub id's branch, tag or commit ('': ``main``); registered names and local
+    folders have none.
 
     The tokenizer always has a pad token (the EOS token when the model defines none) and pads on
     the left, as batched generation needs.
@@ -214,6 +218,7 @@ def load_model(
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        hub = False
         if name_or_path in GGUF_MODELS:
             path: str | Path = converted_checkpoint(name_or_path)
         else:
@@ -223,11 +228,13 @@ def load_model(
                 raise ModelLoadError(
                     f"no model folder at {name_or_path!r}; registered names: {', '.join(registered_names())}"
                 )
-            if not looks_local:
+            hub = not looks_local
+            if hub:
                 _check_hub_id(name_or_path)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+            pin = {"revision": revision} if revision and hub else {}
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **pin)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, **pin)
         except OSError as err:
             raise ModelLoadError(
                 f"could not load {name_or_path!r} ({err.__class__.__name__}: {str(err).splitlines()[0]}); "

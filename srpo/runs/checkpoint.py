@@ -104,10 +104,24 @@ def _fsync(path: Path) -> None:
 
 
 def _default_mode() -> int:
-    """What ``mkdir`` would give a folder under the current umask (mkdtemp gives 0700)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o777 & ~umask
+    """What ``mkdir`` would give a folder under the current umask (mkdtemp gives 0700).
+
+    The umask is read, never set: ``os.umask`` is process-wide, and setting it even for a moment
+    would change the files other threads (a tracker, the gateway) create meanwhile.  Linux states it
+    in ``/proc/self/status``; elsewhere a probe folder made with mode 0777 shows it."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o777 & ~int(line.split()[1], 8)
+    except OSError:
+        pass
+    probe = Path(tempfile.mkdtemp()) / "probe"
+    try:
+        probe.mkdir(0o777)
+        return probe.stat().st_mode & 0o777
+    finally:
+        shutil.rmtree(probe.parent, ignore_errors=True)
 
 
 def remove_stale_temporaries(run_dir: Path) -> list[Path]:

@@ -28,6 +28,8 @@ import socket
 import sys
 from pathlib import Path
 
+from srpo.runs.secrets import redacted
+
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".lock"
@@ -35,6 +37,8 @@ OWNED_FILE = ".srpo-owned.json"  # the names srpo created in this folder
 # What a training run writes into its folder; anything else (evaluation files, notes) is the
 # user's or another command's and is neither a reason to refuse nor deleted on overwrite.
 RUN_ARTEFACTS = ("metrics.jsonl", "samples.jsonl", "checkpoints", "tensorboard", "trackers.json", "wandb", "mlruns")
+# What ``srpo sft`` writes into its output folder besides a run's artefacts.
+SFT_ARTEFACTS = ("model", "transcripts.jsonl", "sft.json", "config.json")
 
 
 class RunDirError(RuntimeError):
@@ -77,7 +81,7 @@ class RunLock:
         f.truncate()
         f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                             "started": datetime.datetime.now().isoformat(timespec="seconds"),
-                            "argv": sys.argv[:8]}))
+                            "argv": redacted(sys.argv[:8])}))
         f.flush()
         self._file = f
         return self
@@ -178,9 +182,13 @@ def _present(path: Path) -> bool:
 
 def previous_run(run_dir: str | Path, writes=RUN_ARTEFACTS) -> tuple[list[str], list[str]]:
     """``(ours, foreign)``: the previous run's artefacts srpo recorded writing, and those among the
-    names this run ``writes`` that are present but srpo never recorded (a user's own)."""
+    names this run ``writes`` that are present but srpo never recorded (a user's own).
+
+    A record is only a file in the folder — anyone could have written it — so only names srpo
+    itself writes count as ours: its known artefacts and what this run writes.  A record listing
+    anything else (a planted ``"Documents"``) is ignored, never deleted."""
     run_dir = Path(run_dir)
-    mine = owned(run_dir)
+    mine = owned(run_dir) & {*RUN_ARTEFACTS, *SFT_ARTEFACTS, *writes}
     ours, foreign = [], []
     order = {name: i for i, name in enumerate(RUN_ARTEFACTS)}
     for name in sorted(mine | set(writes), key=lambda n: (order.get(n, len(order)), n)):

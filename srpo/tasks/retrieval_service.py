@@ -31,6 +31,7 @@ import threading
 import time
 from typing import Any, Sequence
 
+from srpo.runs.secrets import redact
 from srpo.tasks.search import BM25Retriever, Passage
 
 log = logging.getLogger(__name__)
@@ -200,7 +201,7 @@ class HTTPRetriever:
             except (self._httpx.HTTPError, ValueError, KeyError, TypeError) as err:
                 last = f"{err.__class__.__name__}: {str(err)[:160]}"
         self._count("failures")
-        raise RetrieverUnavailable(f"retrieval server {self.url}: {last} (after {attempt + 1} tries)")
+        raise RetrieverUnavailable(f"retrieval server {redact(self.url)}: {last} (after {attempt + 1} tries)")
 
     def close(self) -> None:
         self._client.close()

@@ -29,6 +29,7 @@ from srpo.runs.checkpoint import (CheckpointError, CorruptCheckpoint, candidates
                                   save_checkpoint)
 from srpo.runs import run_dir as run_folder
 from srpo.runs.run_dir import RunDirError
+from srpo.runs.secrets import redacted
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ def save(trainer) -> Path | None:
     backend, cfg = trainer.backend, trainer.cfg
 
     def write(tmp=None, state_dicts=None):
-        return save_checkpoint(trainer.run_dir, trainer.step, trainer.policies, tensors, plain, cfg.to_dict(),
+        return save_checkpoint(trainer.run_dir, trainer.step, trainer.policies, tensors, plain, redacted(cfg.to_dict()),
                                keep=cfg.checkpoint.keep, tmp=tmp, state_dicts=state_dicts)
 
     if not backend.sharded_optimizer_state:
@@ -124,7 +125,8 @@ def resume(trainer, path: Path | None = None) -> bool:
     sharded = trainer.backend.sharded_optimizer_state
     for candidate in [Path(path)] if path is not None else candidates(trainer.run_dir):
         try:
-            tensors, plain = load_checkpoint(candidate, trainer.policies, trainer.cfg.to_dict(), load_weights=not sharded)
+            tensors, plain = load_checkpoint(candidate, trainer.policies, redacted(trainer.cfg.to_dict()),
+                                             load_weights=not sharded)
             if sharded:
                 if not (candidate / "dcp").is_dir():
                     raise CorruptCheckpoint(f"{candidate}: no dcp/ folder (not written with train.parallel: fsdp)")

@@ -73,13 +73,42 @@ class Worker:
         self.conn.close()
 
 
+#: What a worker inherits of the trainer's environment without being asked: where programs and
+#: files are, locale, time zone, certificates, thread counts — nothing that is a credential.
+#: ``workflow.options.env`` names anything more (``[SERPER_API_KEY]``).
+WORKER_ENV_NAMES = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TERM", "TZ", "TMPDIR", "TEMP", "TMP", "PWD",
+    "VIRTUAL_ENV", "PYTHONPATH", "PYTHONHASHSEED", "PYTHONUTF8", "PYTHONIOENCODING", "PYTHONDONTWRITEBYTECODE",
+    "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NO_PROXY", "no_proxy",
+    "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "SYSTEMROOT"})
+WORKER_ENV_PREFIXES = ("LC_", "XDG_", "CONDA_", "OMP_", "MKL_")
+
+
+def worker_environment(environ, allow=(), base_url: str = "") -> dict[str, str]:
+    """A worker's environment: the documented safe names of ``environ`` (:data:`WORKER_ENV_NAMES`,
+    :data:`WORKER_ENV_PREFIXES`), the names in ``allow``, and the OpenAI client settings that
+    send every call to ``base_url``.  The trainer's secrets (``HF_TOKEN``, ``WANDB_API_KEY``, a real
+    ``OPENAI_API_KEY``, proxies with passwords) stay out unless ``allow`` names them."""
+    allowed = set(allow)
+    env = {k: v for k, v in environ.items()
+           if k in WORKER_ENV_NAMES or k.startswith(WORKER_ENV_PREFIXES) or k in allowed}
+    # Clients configured from the environment (the openai package, LiteLLM, LangChain) reach
+    # this worker's URL, whatever the program does with base_url.
+    env.update({"OPENAI_BASE_URL": base_url, "OPENAI_API_BASE": base_url, "PYTHONUNBUFFERED": "1"})
+    env.setdefault("OPENAI_API_KEY", "srpo")  # a client needs some key; the gateway checks none
+    env.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")  # the SDK would upload traces to OpenAI
+    return env
+
+
 class AgentPool:
-    """Worker processes running ``entry`` behind ``gateway`` (a :class:`~srpo.gateway.server.Gateway`)."""
+    """Worker processes running ``entry`` behind ``gateway`` (a :class:`~srpo.gateway.server.Gateway`);
+    each gets :func:`worker_environment` (``env``: the names it may inherit beyond the safe ones)."""
 
     START_TIMEOUT_S = 120.0  # Python plus the program's imports (an agent SDK can take a few seconds)
 
-    def __init__(self, entry: str, gateway, max_workers: int, python: str = ""):
+    def __init__(self, entry: str, gateway, max_workers: int, python: str = "", env=()):
         self.entry = entry
+        self.env_names = tuple(env)
         self.python = python or sys.executable
         self.gateway = gateway
         self.max_workers = max_workers
@@ -98,13 +127,8 @@ class AgentPool:
         """A new worker with the program loaded (blocking: run in a thread)."""
         parent, child = socket.socketpair()
         token = self.gateway.reserve()
-        env = dict(os.environ)
         url = self.gateway.url(token)
-        # Clients configured from the environment (the openai package, LiteLLM, LangChain) reach
-        # this worker's URL, whatever the program does with base_url.
-        env.update({"OPENAI_BASE_URL": url, "OPENAI_API_BASE": url, "PYTHONUNBUFFERED": "1"})
-        env.setdefault("OPENAI_API_KEY", "srpo")
-        env.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")  # the SDK would upload traces to OpenAI
+        env = worker_environment(os.environ, self.env_names, url)
         try:
             # The worker module is loaded by path: importing the package srpo.workflows would pull in
             # torch, and a worker needs none of it.

@@ -103,6 +103,12 @@ class OpenAIAgent(Workflow):
     """isolation: process — the Python interpreter of the worker processes, e.g. a virtualenv's
     ``bin/python`` whose agent framework's dependencies clash with the trainer's ('': this one).
     The program's own imports come from that environment; srpo needs nothing there."""
+    env: list[str] = field(default_factory=list)
+    """isolation: process — names of the trainer's environment variables the workers inherit beyond
+    the safe ones (paths, locale, certificates; srpo.workflows.agent_pool.WORKER_ENV_NAMES), e.g.
+    ``[SERPER_API_KEY]`` for a program's search tool.  Secrets such as ``HF_TOKEN`` or
+    ``WANDB_API_KEY`` reach a worker only when named here.  (isolation: thread runs the program in
+    the trainer's own process, with its whole environment.)"""
     max_threads: Count = 256
     """isolation: thread — worker threads for plain-function programs (one per live episode)."""
 
@@ -182,7 +188,7 @@ class OpenAIAgent(Workflow):
         pool = getattr(self, "_pool", None)
         if pool is None or pool.gateway is not gateway:
             # The workers live with this workflow: closed when it is (a run's end, a study's next cell).
-            pool = self._pool = agent_pool.AgentPool(self.entry, gateway, self.max_workers, self.python)
+            pool = self._pool = agent_pool.AgentPool(self.entry, gateway, self.max_workers, self.python, self.env)
             weakref.finalize(self, pool.close)
         try:
             return await pool.run(task, backend, self.timeout_s, waiting=getattr(backend.ctx.runtime, "outside_generation", None))

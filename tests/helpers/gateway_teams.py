@@ -263,3 +263,11 @@ async def autogen_team(task, url):
     team = RoundRobinGroupChat([solver, critic], termination_condition=MaxMessageTermination(3))
     result = await team.run(task=task.question)
     return str(result.messages[-1].content)
+
+
+def reports_its_environment(task, url):
+    """Asks once (so that the episode is trainable) and answers with what its worker inherited."""
+    import os
+
+    _ask(_client(url), "solver", task.question)
+    return ",".join(f"{name}={os.environ.get(name, '-')}" for name in ("HF_TOKEN", "MY_TOOL_KEY", "HOME"))

@@ -639,3 +639,15 @@ def test_a_full_disk_in_the_command_line_is_exit_2_naming_the_file(tmp_path, cap
     monkeypatch.setattr(cli, "build_parser", lambda: parser)
     assert cli.main(["report", str(tmp_path)]) == 2
     assert f"error: cannot write {tmp_path / 'metrics.jsonl'}: the disk is full" in capsys.readouterr().err
+
+
+def test_a_planted_ownership_record_cannot_make_overwrite_delete_a_users_folder(tmp_path):
+    """The record is a file in the folder: a name in it that srpo never writes is not deleted."""
+    run = tmp_path / "run"
+    trained(run, ["run.steps=1"])
+    (run / "Documents").mkdir()
+    (run / "Documents" / "thesis.tex").write_text("years of work")
+    record = json.loads((run / ".srpo-owned.json").read_text())
+    (run / ".srpo-owned.json").write_text(json.dumps({"created": [*record["created"], "Documents"]}))
+    trained(run, ["run.steps=1"], overwrite=True)
+    assert (run / "Documents" / "thesis.tex").read_text() == "years of work"

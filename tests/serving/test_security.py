@@ -344,3 +344,52 @@ def test_an_exposed_server_without_a_key_says_so(capsys):
     serving.warn_if_exposed("0.0.0.0", "k", "srpo serve")
     serving.warn_if_exposed("127.0.0.1", "", "srpo serve")
     assert capsys.readouterr().err == ""
+
+
+# ------------------------------------------------------------------ 5. secrets stay out of run folders
+
+def test_credentials_in_urls_never_reach_the_saved_config_or_the_lock(tmp_path, monkeypatch):
+    from srpo.build import load_config
+    from srpo.runs.secrets import redact
+    from srpo.train import Trainer
+    from helpers.runs import tiny, varied_reward
+
+    uri = "https://alice:hunter2@mlflow.example.invalid/?token=s3cret&x=1"
+    monkeypatch.setattr(sys, "argv", ["srpo", "train", "--set", f"log.mlflow_tracking_uri={uri}"])
+    trainer = Trainer(load_config(None, tiny(tmp_path, ["run.steps=1", f"log.mlflow_tracking_uri={uri}"])),
+                      progress=False, reward_fn=varied_reward)
+    try:
+        lock = (tmp_path / ".lock").read_text()
+        assert "log.mlflow_tracking_uri" in lock  # the lock holds the command line
+        trainer.fit()
+    finally:
+        trainer.close()
+    saved = (tmp_path / "checkpoints" / "step_0000001" / "config.json").read_text()
+    for text in (lock, saved):
+        assert "hunter2" not in text and "s3cret" not in text
+    assert "alice:***@mlflow.example.invalid/?token=***&x=1" in saved
+    assert redact("see http://h:1/retrieve and ftp://u:p@h/") == "see http://h:1/retrieve and ftp://u:***@h/"
+
+
+def test_agent_workers_inherit_no_secret_unless_the_config_names_it(monkeypatch):
+    from srpo.policies.scripted import ScriptedPolicies
+    from srpo.rollout.builtin import BuiltinEngine
+    from srpo.tasks.kinds import task_kind
+    from srpo.tasks.math import synthetic_arithmetic
+    from srpo.workflows.builtins import build_workflow
+    from srpo.workflows.runtime import Runtime
+
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    monkeypatch.setenv("MY_TOOL_KEY", "tool_secret")
+    answers = {}
+    for allow in ([], ["MY_TOOL_KEY"]):
+        agent = build_workflow("openai_agent", entry=f"{HELPERS / 'gateway_teams.py'}:reports_its_environment",
+                               roles=["solver"], max_new_tokens=4, env=allow, max_workers=1)
+        runtime = Runtime(BuiltinEngine(ScriptedPolicies(lambda role, prompt: "4", ["solver"])),
+                          agent.default_role_specs(), task_kind("math").grade)
+        (result,) = runtime.run(agent, [("e0", synthetic_arithmetic(1, level=0, seed=0)[0])])
+        assert not runtime.failures, runtime.first_traceback
+        answers[tuple(allow)] = result.answer
+    home = f"HOME={os.environ.get('HOME', '-')}"
+    assert answers[()] == f"HF_TOKEN=-,MY_TOOL_KEY=-,{home}"
+    assert answers[("MY_TOOL_KEY",)] == f"HF_TOKEN=-,MY_TOOL_KEY=tool_secret,{home}"
