@@ -393,3 +393,16 @@ def test_agent_workers_inherit_no_secret_unless_the_config_names_it(monkeypatch)
     home = f"HOME={os.environ.get('HOME', '-')}"
     assert answers[()] == f"HF_TOKEN=-,MY_TOOL_KEY=-,{home}"
     assert answers[("MY_TOOL_KEY",)] == f"HF_TOKEN=-,MY_TOOL_KEY=tool_secret,{home}"
+
+
+def test_checkpoint_permissions_read_the_umask_without_setting_it(monkeypatch):
+    """os.umask is process-wide: setting it for a moment changes other threads' files."""
+    from srpo.runs import checkpoint
+
+    before = os.umask(0o027)
+    try:
+        monkeypatch.setattr(os, "umask", lambda mask: pytest.fail("os.umask was called"))
+        assert checkpoint._default_mode() == 0o750
+    finally:
+        monkeypatch.undo()
+        os.umask(before)
