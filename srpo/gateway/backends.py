@@ -226,6 +226,11 @@ class ServeBackend:
     def tokenizer(self):
         return self.policies.tokenizer
 
+    @property
+    def waiting(self) -> int:
+        """Generations queued or running now."""
+        return len(self._waiting)
+
     def _refuse_when_busy(self, n: int) -> None:
         if self._closing:
             self.stats["shed_closing"] += 1
