@@ -171,13 +171,13 @@ def test_resume_on_changed_data_is_refused_naming_the_file_unless_allowed(tmp_pa
 
 # ------------------------------------------------------------------------------- 3. preemption
 
-def _popen_train(run, extra, flags=()):
+def _popen_train(run, extra, flags=(), env=None):
     import subprocess
 
     from helpers.runs import ENV, cli_train
     from helpers import ROOT
 
-    env = {**ENV, "PYTHONPATH": f"{ROOT}{os.pathsep}{HELPERS}"}
+    env = {**ENV, "PYTHONPATH": f"{ROOT}{os.pathsep}{HELPERS}", **(env or {})}
     return subprocess.Popen(cli_train(run, extra, flags), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
@@ -224,17 +224,28 @@ def test_sigterm_past_the_grace_time_exits_at_once_keeping_the_previous_checkpoi
     import signal
     import time
 
+    from helpers.slow_reward import GATE_LIMIT_S, calls_started
+
     run = tmp_path / "run"
+    log, gate = tmp_path / "rewards.log", tmp_path / "open"
     extra = ["run.steps=20", "checkpoint.every=1", "run.preempt_grace_s=0.5", "task.reward=slow_reward:reward"]
-    proc = _popen_train(run, extra)
+    proc = _popen_train(run, extra, env={"SRPO_TEST_REWARD_LOG": str(log), "SRPO_TEST_REWARD_GATE": str(gate)})
+    while calls_started(log) == 0:  # step 1's rewards have begun: let them, and only them, through
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        time.sleep(0.01)
+    gate.touch()
     _wait_for_step(run, 1, proc, timeout=300)
+    gate.unlink()  # step 2's rewards now wait at the gate: the step cannot reach a safe point
     while not (run / "checkpoints" / "step_0000001").is_dir():
-        time.sleep(0.05)
-    time.sleep(1.0)  # into step 2, whose rewards take 2 s each
+        time.sleep(0.01)
+    before = calls_started(log)
+    while calls_started(log) == before:  # a reward of step 2 is running
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
-    sent = time.monotonic()
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 143 and time.monotonic() - sent < 10, err[-2000:]
+    # The rewards hold step 2 for GATE_LIMIT_S: exiting well before, the run did not wait for them.
+    _, err = proc.communicate(timeout=GATE_LIMIT_S / 3)
+    assert proc.returncode == 143, err[-2000:]
     assert "no safe point within" in err
     from srpo.runs.checkpoint import candidates
 

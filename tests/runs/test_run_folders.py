@@ -106,9 +106,10 @@ SHARED = ROOT.parent / "shared" / "data"
 @pytest.mark.slow
 def test_a_second_process_on_the_same_run_folder_is_refused(tmp_path):
     run = tmp_path / "run"
-    # A first run slow enough (2 s per episode's reward) that the second starts while it lives,
-    # however loaded the machine is.
-    slow_env = {**ENV, "PYTHONPATH": f"{ROOT}{os.pathsep}{HELPERS}"}
+    # The first run's rewards wait at a gate the test opens only after the second has been refused:
+    # the first lives while the second starts, however loaded the machine is.
+    gate = tmp_path / "open"
+    slow_env = {**ENV, "PYTHONPATH": f"{ROOT}{os.pathsep}{HELPERS}", "SRPO_TEST_REWARD_GATE": str(gate)}
     first = subprocess.Popen(cli_train(run, ["run.steps=3", "task.reward=slow_reward:reward"]), env=slow_env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
@@ -116,6 +117,7 @@ def test_a_second_process_on_the_same_run_folder_is_refused(tmp_path):
         time.sleep(0.05)
     second = subprocess.run(cli_train(run, ["run.steps=6", "run.seed=1"]), env=ENV, capture_output=True, text=True,
                             timeout=300)
+    gate.touch()
     out, err = first.communicate(timeout=600)
     assert first.returncode == 0, err[-2000:]
     assert second.returncode == 2
