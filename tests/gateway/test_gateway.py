@@ -286,16 +286,25 @@ def test_a_batch_does_not_wait_long_for_a_busy_program(max_wait_s):
     from srpo.workflows.builtins import build_workflow
     from srpo.workflows.runtime import Runtime
 
+    from helpers import signals
+
     agent = build_workflow("openai_agent", entry=f"{TEAMS}:slow_to_ask", roles=["solver"], isolation="thread",
                            max_batch_wait_s=max_wait_s)
-    policies = ScriptedPolicies(_script, ["solver"])
+    signals.QUICK_SERVED.clear()
+
+    def script(role, prompt):
+        if "2 + 2" in prompt:  # a quick episode's call is generated
+            signals.QUICK_SERVED.set()
+        return _script(role, prompt)
+
+    policies = ScriptedPolicies(script, ["solver"])
     runtime = Runtime(BuiltinEngine(policies), agent.default_role_specs(), lambda t, a: 1.0)
     tasks = [Task("slow", "What is 2 + 1?", ("3",), "math")] + [Task(f"t{i}", "What is 2 + 2?", ("4",), "math")
                                                                  for i in range(3)]
     results = runtime.run(agent, [(f"e{i}", t) for i, t in enumerate(tasks)])
     assert not runtime.failures and len(results) == 4
-    if max_wait_s < 3.0:  # the quick episodes are served while the slow one is still busy (in one batch
-        # on a quiet machine; a loaded one may split them, never join the slow call to them)
+    if max_wait_s < 3.0:  # the quick episodes are served while the slow one is still busy (it waits for
+        # them: in one batch, or several on a loaded machine — never joined by the slow call)
         assert policies.calls[-1] == 1 and len(policies.calls) >= 2 and sum(policies.calls) == 4, policies.calls
     else:  # they wait for it: one batch
         assert policies.calls == [4], policies.calls
@@ -339,15 +348,18 @@ def test_a_client_configured_once_per_process_lands_each_call_in_its_own_episode
         assert r.answer == _script("solver", r.task.question)
 
 
-@pytest.mark.parametrize("program", ["default_client_per_episode", "agents_sdk_default_client"])
+@pytest.mark.parametrize("program", ["default_client_set_by_every_episode", "agents_sdk_default_client"])
 def test_in_one_process_a_call_reaching_another_episode_stops_the_run(program):
     from srpo.gateway.attribution import MixedEpisodes
     from srpo.policies.scripted import ScriptedPolicies
     from srpo.workflows.builtins import build_workflow
     from srpo.workflows.runtime import Runtime
 
+    from helpers import signals
+
     if program.startswith("agents"):
         pytest.importorskip("agents")
+    signals.CLIENTS_SET["count"] = 0
     agent = build_workflow("openai_agent", entry=f"{TEAMS}:{program}", roles=["solver"], isolation="thread")
     runtime = Runtime(BuiltinEngine(ScriptedPolicies(_script, ["solver"])), agent.default_role_specs(), lambda t, a: 1.0)
     with pytest.raises(MixedEpisodes, match="base_url passed to each call of the program, or set "

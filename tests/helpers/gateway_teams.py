@@ -144,11 +144,31 @@ def configured_from_env(task, url):
 def default_client_per_episode(task, url):
     """``set_default_openai_client(AsyncOpenAI(base_url=url))`` at the top of each episode: one
     process-wide client, replaced by whichever episode started last."""
-    import time
-
     global _DEFAULT
     _DEFAULT = OpenAI(base_url=url, api_key="unused", max_retries=0)
-    time.sleep(0.3)  # in one process, the other episodes replace the default meanwhile
+    reply = _DEFAULT.chat.completions.create(model="solver", messages=[{"role": "user", "content": task.question}])
+    return reply.choices[0].message.content or ""
+
+
+def _wait_for_every_client(episodes: int = 4, timeout_s: float = 60.0) -> None:
+    """Until ``episodes`` episodes of this process have set their client (one process: threads)."""
+    import time
+
+    from helpers import signals
+
+    with signals.LOCK:
+        signals.CLIENTS_SET["count"] += 1
+    deadline = time.monotonic() + timeout_s
+    while signals.CLIENTS_SET["count"] < episodes and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def default_client_set_by_every_episode(task, url):
+    """As :func:`default_client_per_episode`, in one process: every episode has replaced the
+    default before any calls — the mix-up a process-wide client makes, every time."""
+    global _DEFAULT
+    _DEFAULT = OpenAI(base_url=url, api_key="unused", max_retries=0)
+    _wait_for_every_client()
     reply = _DEFAULT.chat.completions.create(model="solver", messages=[{"role": "user", "content": task.question}])
     return reply.choices[0].message.content or ""
 
@@ -173,10 +193,12 @@ def makes_no_call(task, url):
 
 
 def slow_to_ask(task, url):
-    import time
+    from helpers import signals
 
     if task.task_id == "slow":
-        time.sleep(3.0)  # busy with other work before its first call (the batch should not wait for it)
+        # Busy with other work before its first call: until the quick episodes have been served
+        # (the batch did not wait for it), or for 3 s (it did wait: max_batch_wait_s is longer).
+        signals.QUICK_SERVED.wait(3.0)
     return _ask(_client(url), "solver", task.question)
 
 
@@ -234,7 +256,7 @@ async def agents_sdk_default_client(task, url):
     set_tracing_disabled(True)
     set_default_openai_api("chat_completions")
     set_default_openai_client(AsyncOpenAI(base_url=url, api_key="unused", max_retries=0), use_for_tracing=False)
-    await asyncio.sleep(0.3)  # the other episodes of the step set theirs meanwhile
+    await asyncio.get_running_loop().run_in_executor(None, _wait_for_every_client)  # every episode has set its own
     result = await Runner.run(Agent(name="solver", model="solver", instructions="Solve it."), task.question)
     return str(result.final_output)
 
