@@ -6,7 +6,7 @@ STAMP       := $(VENV)/.installed
 TORCH       := torch==2.13.0
 CONSTRAINTS := constraints.txt
 
-.PHONY: test demo setup clean lock wheel-check test-vllm gpu-check gpu-bundle docs
+.PHONY: test test-fast demo setup clean lock wheel-check test-vllm gpu-check gpu-bundle docs
 
 setup: $(STAMP)
 
@@ -24,6 +24,10 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 
 test: $(STAMP) $(AGENTS_STAMP)
 	$(BIN)/python -m pytest -q
+
+# The inner loop: every test not marked slow (< 3 min on 2 cores).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
 
 # AutoGen's own environment (~110 MB, seconds): its pins clash with the trainer's (protobuf), so the
 # framework tests run its programs in worker processes on this interpreter (workflow.options.python).
