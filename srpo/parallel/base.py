@@ -146,12 +146,30 @@ class SingleProcess:
 
 
 @register_backend("ddp")
+def _heartbeat_store(default_store, timeout_s: float):
+    """A client of the process group's TCP store of its own, with a short timeout, for the
+    heartbeat thread: its calls never wait the group's long timeout (minutes), so the thread can
+    always be joined before the interpreter exits.  Falls back to ``default_store`` itself when
+    the store is not a TCP store."""
+    import datetime
+
+    store = default_store
+    while isinstance(store, torch.distributed.PrefixStore):
+        store = store.underlying_store
+    if not isinstance(store, torch.distributed.TCPStore):
+        return default_store
+    client = torch.distributed.TCPStore(store.host, store.port, is_master=False, wait_for_workers=False,
+                                        timeout=datetime.timedelta(seconds=timeout_s))
+    return torch.distributed.PrefixStore("srpo", client)
+
+
 class DataParallel(SingleProcess):
     """``torchrun`` ranks with full copies; gradients summed with ``all_reduce``."""
 
     name = "ddp"
 
     HEARTBEAT_S = 1.0  # how often each rank says it is alive (in the process group's store)
+    STORE_TIMEOUT_S = 5.0  # the heartbeat's own store client gives up on a call after this long
     #: A peer silent this long is named on stderr at once (build.backend: half of
     #: run.collective_timeout_s, at most 30 s) — before NCCL's watchdog, which aborts the process
     #: on a collective's timeout without running any Python, could swallow the name.
@@ -180,7 +198,8 @@ class DataParallel(SingleProcess):
         import time
 
         try:  # the store torchrun made (private in torch, hence guarded): without it, no names
-            self._store = torch.distributed.distributed_c10d._get_default_store()
+            self._store = _heartbeat_store(torch.distributed.distributed_c10d._get_default_store(),
+                                           self.STORE_TIMEOUT_S)
         except Exception:  # noqa: BLE001
             return
         stop = self._beat_stop = threading.Event()
@@ -193,20 +212,25 @@ class DataParallel(SingleProcess):
                     self._store.set(f"srpo/heartbeat/{self.rank}", str(time.time()))
                 except Exception:  # noqa: BLE001 — the store is gone: the job is ending
                     return
-                self.report_silent_peers(time.time())
+                if not stop.is_set():
+                    self.report_silent_peers(time.time())
                 stop.wait(self.HEARTBEAT_S)
 
         thread = threading.Thread(target=beat, name="srpo-heartbeat", daemon=True)
         thread.start()
         self._beat_thread = thread
-        # Stopped before the interpreter tears the store down: a thread inside a store call at
-        # that moment aborts the process ("terminate called without an active exception").
+        # Stopped, and joined, before the interpreter finalises: a daemon thread that returns from
+        # a store call (C++, the GIL released) after finalisation has begun is ended by
+        # pthread_exit, whose unwinding through torch's frames aborts the process ("terminate
+        # called without an active exception") — a SIGABRT after a run that succeeded.
         atexit.register(self._stop_heartbeat)
 
     def _stop_heartbeat(self) -> None:
         if getattr(self, "_beat_stop", None) is not None:
             self._beat_stop.set()
-            self._beat_thread.join(timeout=5)
+            # Every store call of the beat ends within STORE_TIMEOUT_S (its own client's timeout):
+            # the join waits for it, never leaving the thread inside one.
+            self._beat_thread.join(timeout=3 * self.STORE_TIMEOUT_S + self.HEARTBEAT_S)
             self._beat_stop = None
 
     def _last_beat(self, rank: int) -> float | None:

@@ -8,20 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from helpers import HELPERS, ROOT
+from helpers.runs import free_port
 
 WORKER = HELPERS / "dp_worker.py"
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
+@pytest.mark.torchrun
 def test_two_processes_update_like_one(tmp_path):
     torchrun = Path(sys.executable).with_name("torchrun")
     if not torchrun.exists() and shutil.which("torchrun") is None:

@@ -12,22 +12,17 @@ import torch
 
 from helpers.fsdp_worker import resume_overrides
 from helpers import HELPERS
+from helpers.runs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = HELPERS / "fsdp_worker.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun,
               pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed")]
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(n: int, *args, **kw):

@@ -127,6 +127,7 @@ def test_sync_streams_buckets_and_forgets_stale_prompt_blocks():
         engine.close()
 
 
+@pytest.mark.torchrun
 @pytest.mark.parametrize("layout, staleness", [("shared", 0), ("shared", 1), ("lora", 0)])
 def test_fsdp_ranks_train_a_team_with_their_own_engines_synced_from_the_shards(tmp_path, layout, staleness):
     """``train.parallel: fsdp`` + ``rollout.engine: vllm`` under torchrun (2 gloo ranks, each with

@@ -281,6 +281,7 @@ def test_a_dead_or_silent_tracker_server_is_switched_off_and_the_run_goes_on(tmp
 
 
 @pytest.mark.slow
+@pytest.mark.torchrun
 @pytest.mark.timeout(300)
 def test_a_frozen_torchrun_rank_is_named_and_the_run_ends(tmp_path):
     import shutil

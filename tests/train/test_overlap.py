@@ -100,6 +100,7 @@ def test_what_the_overlap_cannot_combine_with_is_refused(extra, match):
 
 
 @pytest.mark.slow
+@pytest.mark.torchrun
 def test_staleness_one_trains_under_ddp(tmp_path):
     import shutil
     import sys
@@ -121,6 +122,7 @@ def test_staleness_one_trains_under_ddp(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.torchrun
 def test_staleness_one_resumes_every_rank_exactly_under_ddp(tmp_path):
     """Each rank's pending batch is its own in the checkpoint: a run cut in step 3 (newest
     checkpoint step 2, holding both ranks' batches for step 3) and resumed on 2 ranks ends with
