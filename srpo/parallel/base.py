@@ -145,7 +145,6 @@ class SingleProcess:
         """Tear the backend down (wait for every rank first)."""
 
 
-@register_backend("ddp")
 def _heartbeat_store(default_store, timeout_s: float):
     """A client of the process group's TCP store of its own, with a short timeout, for the
     heartbeat thread: its calls never wait the group's long timeout (minutes), so the thread can
@@ -163,6 +162,7 @@ def _heartbeat_store(default_store, timeout_s: float):
     return torch.distributed.PrefixStore("srpo", client)
 
 
+@register_backend("ddp")
 class DataParallel(SingleProcess):
     """``torchrun`` ranks with full copies; gradients summed with ``all_reduce``."""
 
