@@ -97,10 +97,19 @@ def start(backend, req: CompletionRequest):
     return queue, task
 
 
+#: After this many tokens a stream lets the event loop run other work: ``queue.get`` does not yield
+#: while tokens are queued, so a burst (an engine that reports a step's tokens at once) would
+#: otherwise hold every other client until the burst was sent.
+YIELD_EVERY = 8
+
+
 async def _tokens(first, queue: asyncio.Queue) -> AsyncIterator[tuple[int, int]]:
-    item = first
+    item, sent = first, 0
     while item is not None:
         yield item
+        sent += 1
+        if sent % YIELD_EVERY == 0:
+            await asyncio.sleep(0)
         item = await queue.get()
 
 

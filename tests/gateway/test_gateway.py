@@ -199,8 +199,9 @@ def test_the_endpoint_speaks_openai_to_the_openai_client(gateway):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="echo", messages=[{"role": "user", "content": "hi"}], temperature=5)
     assert err.value.body["param"] == "temperature"
-    raw = httpx.post(f"{url}/chat/completions", content=b"{not json")
+    raw = httpx.post(f"{url}/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"})
     assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.post(f"{url}/chat/completions", content=b"{}").status_code == 415  # JSON only as application/json
     # Another episode's URL, or one that has ended, reaches nothing.
     gateway.close_episode(token)
     other = httpx.post(f"{url}/chat/completions", json={"model": "echo", "messages": [{"role": "user", "content": "x"}]})
