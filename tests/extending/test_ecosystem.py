@@ -225,8 +225,11 @@ class _SlowApp:
 
         app = FastAPI()
 
+        self.requests = 0
+
         @app.post("/retrieve")
         def retrieve(body: dict):
+            self.requests += 1
             thawed = threading.Event()
             self.thaw = thawed
             thawed.wait(60)  # frozen: answers only when the test is done with it
@@ -280,6 +283,7 @@ def test_an_unreachable_or_slow_server_costs_the_tool_call_not_the_run():
         # A server that does not answer costs the call its timeout once: a timeout is not retried
         # (a frozen server made each retry wait the whole timeout again).  Had the client waited
         # for the server, the call would have succeeded when the server thawed, at the end.
+        assert server.requests == 1  # the server, too, saw one request: no retry reached it
         assert slow.stats == {"requests": 1, "retries": 0, "failures": 1, "timeouts": 1}
 
 
