@@ -7,8 +7,10 @@ Each rank trains a team under ``train.parallel: fsdp`` with its own colocated vL
 rank checks that its engine's log-probs of fixed prompts match the trainer's (an FSDP forward,
 which every rank runs alike) after the initial sync, and again after one training step with a
 large learning rate (which moves the log-probs well past the tolerance, so a sync that did not
-happen would show).  Rank 0 writes the figures to OUT as JSON.  With ``rollout.max_staleness=1
-run.steps=2`` the second step's batch is sampled by the engine while the first step updates.
+happen would show).  Rank 0 writes the figures to OUT as JSON (``mismatch``: each step's sampler
+gap).  With ``rollout.max_staleness=1 run.steps=2`` the second step's batch is sampled by the
+engine while the first step updates; the first step, with nothing to overlap, samples on the
+weights it updates.
 """
 
 import json
@@ -57,7 +59,7 @@ def main(out_path: str, run_dir: str, *overrides: str) -> None:
     cfg = load_config(os.path.join(ROOT, "configs/math/parallel_aggregate/srpo.yaml"), [
         f"run.output_dir={run_dir}", "run.steps=1", "model.name=smollm2-135m", "model.autocast_bf16=false",
         "workflow.options={num_workers: 2}", "workflow.max_new_tokens=16", "train.tasks_per_step=2",
-        "train.group_size=4", "task.train.n=4", "log.tensorboard=false", "rollout.engine=vllm",
+        "train.group_size=2", "task.train.n=4", "log.tensorboard=false", "rollout.engine=vllm",
         "rollout.gpu_memory_utilization=0.1", "train.parallel=fsdp", "train.tis_cap=2.0", "train.lr=1e-3",
         "train.skip_zero_advantage=false", "eval.every=0", "task.eval=[]", *overrides])
     # A reward drawn at random for each episode: this test is about the weights reaching the
@@ -86,7 +88,7 @@ def main(out_path: str, run_dir: str, *overrides: str) -> None:
         stats = {pid: dict(e.sync_stats) for pid, e in trainer.engine.engines.items()}
         result = {"rank": rank, "world": trainer.backend.world, "gap_start": gap_start, "gap_after": gap_after,
                   "moved": moved, "episodes": metrics["episodes"], "valid": metrics["events/valid"],
-                  "mismatch": metrics.get("mismatch/mean_abs"), "sync": stats, "steps": len(history),
+                  "mismatch": [m.get("mismatch/mean_abs") for m in history], "sync": stats, "steps": len(history),
                   "staleness_max": [m["rollout/staleness_max"] for m in history],
                   "overlap_s": [m.get("time/overlap_s", 0.0) for m in history],
                   "rss_mb": rss_before / 2**20, "sync_rss_peak_extra_mb": sync_peak / 2**20,
