@@ -1,0 +1,99 @@
+"""What a saved configuration may make srpo run: nothing, unless the user says so.
+
+A run folder or an ``srpo sft`` output carries the configuration it was trained with
+(``config.json``).  That configuration may name code: a workflow's program
+(``workflow.options.entry: team.py:solve``), another interpreter (``workflow.options.python``),
+or an import path any registry accepts (``workflow.name: mypkg.teams:Debate``, ``task.reward``,
+``rollout.engine``, ...).  Importing any of them runs its module.  The weights beside that file
+are loaded without running code (safetensors, ``torch.load(weights_only=True)``), so a folder
+downloaded from someone else must not run code through its config either.
+
+:func:`code_named` lists every place a config names code; ``srpo serve`` and ``srpo eval``
+refuse to run what a folder names unless the user passes ``--trust-run-code`` — or replaces it on
+their own command line (``--workflow``, ``--options``, ``--kind``, ``--engine``, ``--set``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterator
+
+TRUST_FLAG = "--trust-run-code"
+# Keys whose value is run, whatever it looks like: a program, an interpreter.
+PROGRAM_KEYS = frozenset({"workflow.options.entry", "workflow.options.python", "sft.script"})
+# ``package.module:attribute`` or ``path/to/file.py:function``: what the registries and the
+# workflow loaders import.  A URL's ``host:port`` or a ``synthetic_kb:n=40`` source does not match.
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+_FILE_ENTRY = re.compile(r"^.+\.py:[A-Za-z_]\w*$")
+
+
+# Values with a colon that are data, not code: hub datasets, synthetic sources, URLs.
+_DATA_PREFIXES = ("hub:", "synthetic_", "http:", "https:", "file:")
+# Keys whose values are names, never imported (role names may contain a colon).
+_NAME_KEYS = ("workflow.options.roles",)
+
+
+def names_code(value: Any) -> bool:
+    """Whether ``value`` (one config value) is an import path or a program file a loader would run."""
+    return isinstance(value, str) and not value.startswith(_DATA_PREFIXES) \
+        and bool(_IMPORT_PATH.match(value) or _FILE_ENTRY.match(value))
+
+
+def _leaves(data: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(data, dict):
+        for key, value in data.items():
+            yield from _leaves(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            yield from _leaves(value, f"{prefix}[{i}]")
+    else:
+        yield prefix, data
+
+
+def code_named(data: dict) -> dict[str, Any]:
+    """``{dotted key: value}`` of every place ``data`` (a config as a dict) names code to import or
+    run: the program keys with any value, ``trust_remote_code: true``, and every import path."""
+    found = {}
+    for key, value in _leaves(data):
+        if key in PROGRAM_KEYS and value not in ("", None):
+            found[key] = value
+        elif key.endswith("trust_remote_code") and value is True:
+            found[key] = value
+        elif names_code(value) and not key.startswith(_NAME_KEYS):
+            found[key] = value
+    return found
+
+
+def _get(data: dict, dotted: str) -> Any:
+    node: Any = data
+    for part in re.split(r"\.|\[(\d+)\]", dotted):
+        if part in (None, ""):
+            continue
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            return _MISSING
+    return node
+
+
+_MISSING = object()
+
+
+class UntrustedCode(ValueError):
+    """A saved configuration names code the user did not ask to run."""
+
+
+def refuse_saved_code(saved: dict, final: dict, source: str) -> None:
+    """Raise :class:`UntrustedCode` when ``final`` (the config about to be built) still names code
+    that came from ``saved`` (the folder's config) — code the user replaced or removed on their
+    own command line is theirs.  The message names each key and the way out."""
+    kept = {key: value for key, value in code_named(saved).items() if _get(final, key) == value}
+    if not kept:
+        return
+    listed = "; ".join(f"{key} = {value!r}" for key, value in sorted(kept.items()))
+    raise UntrustedCode(
+        f"{source} names code to run ({listed}). srpo does not import or run code named in a run folder: "
+        f"pass {TRUST_FLAG} if you trust whoever wrote it, or give your own on the command line "
+        f"(--workflow/--options, --kind, --engine, --set KEY=VALUE)")
