@@ -152,7 +152,8 @@ class RoleOverride(Section):
 class WorkflowConfig(Section):
     name: str = "single"
     """A registered workflow (single, solver_verifier, parallel_aggregate, routed, search,
-    search_team; ``srpo.registry.WORKFLOWS``) or an import path, e.g. ``mypkg.teams:Debate``."""
+    search_team, openai_agent, roles; ``srpo.registry.WORKFLOWS``) or an import path, e.g.
+    ``mypkg.teams:Debate``."""
     options: dict[str, Any] = Field(default_factory=dict)
     """The workflow's own options (num_workers, rounds, max_turns, top_k, ...), checked against the
     workflow's declared option fields."""
