@@ -222,6 +222,7 @@ def shared_engine():
     engine.close()
 
 
+@pytest.mark.xdist_group("shared_engine")  # one worker, one engine (make test-vllm: --dist loadgroup)
 def test_engine_logprobs_match_the_trainer_before_and_after_an_optimizer_step_and_sync_shared(shared_engine):
     policies, engine = shared_engine
     engine.update_weights()  # the weights this test starts from
@@ -233,6 +234,7 @@ def test_engine_logprobs_match_the_trainer_before_and_after_an_optimizer_step_an
     assert len(engine.generate(long, g)) == 64
 
 
+@pytest.mark.xdist_group("shared_engine")  # one worker, one engine (make test-vllm: --dist loadgroup)
 def test_sync_streams_buckets_and_forgets_stale_prompt_blocks(shared_engine):
     """A prompt longer than a KV block is cached by the engine; after an optimizer step and a sync
     the next call must not reuse blocks computed with the old weights (the prefix cache is reset),
@@ -266,6 +268,7 @@ def test_sync_streams_buckets_and_forgets_stale_prompt_blocks(shared_engine):
         vllm_engine.settings = SETTINGS
 
 
+@pytest.mark.xdist_group("shared_engine")  # one worker, one engine (make test-vllm: --dist loadgroup)
 def test_the_engine_reports_tokens_as_it_draws_them(shared_engine):
     """Streamed replies (srpo serve, the gateway): every token reaches on_token, in order, and the
     samples equal what the same engine gives unstreamed (greedy)."""
