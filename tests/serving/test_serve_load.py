@@ -183,3 +183,22 @@ def test_sigterm_stops_the_server_answering_the_queue_503_without_waiting_for_th
         proc.kill()
     assert proc.returncode is not None
     assert results.count(503) == 10, results  # the queue and the running batch answered, not generated
+
+
+@pytest.mark.parametrize("served", [64], indirect=True)
+def test_a_client_that_hangs_up_mid_body_is_one_quiet_line(served, caplog):
+    """Clients that hang up while sending their request leave an INFO line each, no traceback."""
+    import socket
+
+    url, backend, engine = served
+    caplog.set_level(logging.INFO)
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    path = "/" + url.split("//")[1].split("/", 1)[1] + "/chat/completions"
+    for _ in range(3):
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: 1000\r\n\r\n{{\"model\":".encode())
+    wait_until(lambda: caplog.text.count("disconnected while sending its request") == 3, "the server saw all three")
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert "Traceback" not in caplog.text
+    assert httpx.post(f"{url}/chat/completions", json=_chat("still here"), timeout=60).status_code == 200
