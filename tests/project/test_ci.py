@@ -36,3 +36,11 @@ def test_every_test_file_lives_in_a_package_folder_and_helpers_are_apart():
         if relative.parts[0] == "helpers" or relative.name == "conftest.py":
             continue
         assert relative.name.startswith("test_") and len(relative.parts) == 2, relative
+
+
+def test_python_dash_m_srpo_is_the_command():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "srpo", "models", "list"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "smollm2-135m" in out.stdout, out.stderr[-1000:]
