@@ -406,3 +406,30 @@ def test_checkpoint_permissions_read_the_umask_without_setting_it(monkeypatch):
     finally:
         monkeypatch.undo()
         os.umask(before)
+
+
+def test_resume_and_warm_starts_from_a_planted_folder_run_nothing(planted, capsys):
+    """--resume reads the folder's config only to compare it with the user's; an ``srpo sft``
+    output is evaluated like a run folder — neither imports what the folder names."""
+    import shutil
+
+    from srpo.build import load_config
+    from srpo.runs.checkpoint import CheckpointError, latest_pointer
+    from srpo.train import Trainer
+    from helpers.runs import tiny, varied_reward
+
+    run, marker, folder = planted
+    _plant(run, marker, folder, **{"workflow.name": "evil:Team", "task.reward": "evil:reward"})
+    trainer = Trainer(load_config(None, tiny(run)), progress=False, reward_fn=varied_reward)
+    try:
+        with pytest.raises(CheckpointError):
+            trainer.resume()  # the folder's run is another run's: refused, not imported
+    finally:
+        trainer.close()
+    warm = folder / "warm"
+    shutil.copytree(latest_pointer(run) / "model", warm / "model")
+    (warm / "sft.json").write_text("{}")
+    (warm / "config.json").write_text((latest_pointer(run) / "config.json").read_text())
+    assert main(["eval", "--model", str(warm), *DATA]) == 2
+    assert "--trust-run-code" in capsys.readouterr().err
+    assert not marker.exists() and "evil" not in sys.modules
