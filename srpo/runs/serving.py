@@ -90,6 +90,7 @@ class Guard:
     loopback_only: bool = True
     max_body_bytes: int = 8 << 20
     body_deadline_s: float = 60.0
+    parse_json: bool = False  # refuse a body that is not JSON here (for apps whose own error would say why in detail)
 
 
 def _host_of(headers: dict[bytes, bytes]) -> str:
@@ -128,6 +129,11 @@ class GuardMiddleware:
             return None
         if json_depth(body) > MAX_JSON_DEPTH:
             return await _refuse(send, 400, f"the request's JSON nests deeper than {MAX_JSON_DEPTH} levels")
+        if self.guard.parse_json:
+            try:
+                json.loads(body)
+            except (ValueError, UnicodeDecodeError, RecursionError):
+                return await _refuse(send, 400, "the request body is not valid JSON")
         return await self.app(scope, _replay(body, receive), send)
 
     def _too_large(self) -> str:

@@ -109,7 +109,7 @@ def serve(retriever: BM25Retriever, host: str = "127.0.0.1", port: int = 8000, d
     sock = serving.bind(host, port)  # before the corpus is served: a port in use fails here, clearly
     serving.warn_if_exposed(host, api_key, "srpo retriever serve")
     guard = serving.Guard(api_key=api_key, loopback_only=serving.is_loopback(host), max_body_bytes=MAX_BODY_BYTES,
-                          body_deadline_s=30.0)
+                          body_deadline_s=30.0, parse_json=True)
     serving.uvicorn_server(build_app(retriever, default_topk, docs=docs), guard=guard).run(sockets=[sock])
 
 

@@ -305,6 +305,10 @@ def test_the_retriever_has_a_key_a_body_limit_and_no_docs_pages():
         head = (f"POST /retrieve HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer k\r\n"
                 f"Content-Type: application/json\r\nContent-Length: {100 << 20}\r\n\r\n")
         assert _raw(url, head).startswith(b"HTTP/1.1 413")
+        for body in ("{not json", "[" * 10_000 + "]" * 10_000):
+            bad = httpx.post(f"{url}/retrieve", content=body,
+                             headers={"Authorization": "Bearer k", "Content-Type": "application/json"})
+            assert bad.status_code == 400 and "Expecting" not in bad.text and "Traceback" not in bad.text, bad.text
     finally:
         proc.terminate()
         proc.wait(timeout=30)
