@@ -548,6 +548,7 @@ LAYERS = [
     ("assembly", ["srpo.build"]),
     ("training", ["srpo.train"]),
     ("applications", ["srpo.apps"]),
+    ("entry point", ["srpo.__main__"]),
 ]
 
 

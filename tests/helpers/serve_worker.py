@@ -8,6 +8,7 @@ with ``--hold`` a batch never ends.  ``--announce`` prints ``request`` as each r
 backend and ``generating`` as each batch starts, so a test knows what the server holds."""
 
 import argparse
+import sys
 import threading
 import time
 
@@ -18,6 +19,13 @@ from srpo.policies.scripted import ScriptedPolicies
 from srpo.types import RoleSpec
 
 
+def say(line: str) -> None:
+    """One whole line in one write: the engine's thread and the event loop announce at once, and
+    print()'s two writes (the text, then the newline) would interleave."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 class SlowEngine:
     def __init__(self, tokenizer, seconds: float, stream_tokens: int = 0, hold: bool = False, announce: bool = False):
         self.tokenizer, self.seconds, self.stream_tokens = tokenizer, seconds, stream_tokens
@@ -25,7 +33,7 @@ class SlowEngine:
 
     def generate(self, requests, generator=None):
         if self.announce:
-            print("generating", flush=True)
+            say("generating")
         if self.hold:
             threading.Event().wait()
         time.sleep(self.seconds)
@@ -44,7 +52,7 @@ class SlowEngine:
 
 class AnnouncingBackend(ServeBackend):
     async def complete(self, req, on_token=None):
-        print("request", flush=True)
+        say("request")
         return await super().complete(req, on_token)
 
 
