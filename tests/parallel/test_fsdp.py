@@ -31,6 +31,8 @@ def torchrun(n: int, *args, **kw):
 
 
 def check(done):
+    if done.returncode != 0:  # the whole of it, in the report's captured output (an assert message is cut)
+        print(f"exit {done.returncode}\n--- stdout\n{done.stdout[-5000:]}\n--- stderr\n{done.stderr[-20000:]}")
     assert done.returncode == 0, (done.stdout[-1500:], done.stderr[-3000:])
     return done
 
