@@ -10,6 +10,7 @@ from srpo.config import ConfigError
 from srpo.apps.study import run_study
 
 
+@pytest.mark.slow
 def test_study_runs_tabulates_and_resumes(tmp_path, monkeypatch):
     base = tmp_path / "base.yaml"
     base.write_text(yaml.safe_dump({
@@ -114,6 +115,7 @@ def test_paired_differences_per_dataset_see_what_the_macro_average_hides():
     assert hotpot["mean"] == pytest.approx(-0.2) and hotpot["significant"]
 
 
+@pytest.mark.slow
 def test_references_are_evaluated_untrained_with_their_own_overrides(tmp_path):
     base = tmp_path / "base.yaml"
     base.write_text(yaml.safe_dump({
@@ -173,6 +175,7 @@ def test_shipped_results_files_are_strict_json():
         assert "paired" not in data, f"{f.name}: unadjusted tables; restate it (srpo study --restate)"
 
 
+@pytest.mark.slow
 def test_seed_planning_script_runs_reduced_on_cpu(tmp_path):
     """scripts/plan_seeds.py (the GPU seed-planning run) in a reduced form: it trains every cell,
     evaluates the test part and reports each method's paired SD against GRPO."""

@@ -286,6 +286,7 @@ def test_data_parallel_gradients_are_summed_in_buckets(monkeypatch):
     assert all(torch.equal(p.grad, torch.full_like(p, 6.0)) for p in params)
 
 
+@pytest.mark.slow
 def test_gpu_check_runs_reduced_on_cpu_and_cannot_say_ok_when_wrong(tmp_path):
     """scripts/gpu_check.py in its reduced CPU form: every combination judged against a reference
     (resume vs straight, sampler vs trainer, FSDP over 2 gloo ranks vs one process), missing pieces
