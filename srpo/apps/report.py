@@ -184,7 +184,7 @@ def plot_study(root: Path, records: list[dict], k: int) -> Path | None:
         if not runs:
             continue  # an untrained reference has no training curve
         steps = min(len(rows) for rows in runs)
-        mean = [sum(rows[i].get("reward", 0.0) for rows in runs) / len(runs) for i in range(steps)]
+        mean = [sum(rows[i].get("reward", 0.0) / len(runs) for rows in runs) for i in range(steps)]  # no overflow
         right.plot(range(1, steps + 1), _smooth(mean, 3), label=f"{label} ({len(runs)} seeds)")
     right.set_xlabel("step")
     right.set_ylabel("training reward")

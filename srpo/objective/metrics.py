@@ -9,6 +9,9 @@ code that computes a metric knows which.  So each metric is recorded with its re
     kind      recorded as                  combined value
     ========  ===========================  =============================================
     ratio     (numerator, denominator)     Σ numerators / Σ denominators (a weighted mean)
+    mean      (mean, count)                the pooled mean, combined as Σ meanᵢ·(nᵢ/n): finite
+                                           for any finite values (a sum of rewards of 1e308
+                                           overflows; a convex combination cannot)
     sum       value                        Σ values (counters: events, tokens, ...)
     min/max   value                        the smallest / largest value
     spread    (Σx, Σx², n)                 standard deviation of all x pooled
@@ -29,8 +32,8 @@ import math
 
 import torch
 
-KINDS = ("ratio", "sum", "min", "max", "spread", "per_step", "share")
-_PARTS = {"ratio": 2, "sum": 1, "min": 1, "max": 1, "spread": 3, "per_step": 1, "share": 1}
+KINDS = ("ratio", "mean", "sum", "min", "max", "spread", "per_step", "share")
+_PARTS = {"ratio": 2, "mean": 2, "sum": 1, "min": 1, "max": 1, "spread": 3, "per_step": 1, "share": 1}
 
 
 def _scalar(x) -> torch.Tensor:
@@ -66,6 +69,15 @@ class Metrics(dict):
         num, den = _scalar(numerator), _scalar(denominator)
         den = den.to(num.device)
         self._put(name, "ratio", torch.where(den > 0, num / den.clamp(min=1e-30).to(num.dtype), torch.zeros_like(num)), (num, den))
+
+    def mean(self, name: str, values) -> None:
+        """The mean of ``values`` (a sequence of numbers or a tensor of any shape) in float64,
+        pooled with every other call's by count; nothing large enough to overflow is ever summed
+        (each value is divided by the count first), so any finite values give a finite mean."""
+        v = torch.as_tensor(values, dtype=torch.float64).detach().reshape(-1)
+        n = torch.tensor(float(v.numel()), dtype=torch.float64)
+        mean = (v / v.numel()).sum() if v.numel() else torch.zeros((), dtype=torch.float64)
+        self._put(name, "mean", mean, (mean, n))
 
     def mean_of(self, name: str, values: torch.Tensor) -> None:
         """The mean of ``values`` (any shape), pooled with every other call's values."""
@@ -144,7 +156,9 @@ class MetricAccumulator:
             if self.kinds[name] != kind:
                 raise ValueError(f"metric {name!r} recorded as {self.kinds[name]} and as {kind}")
             t = self.totals[name]
-            if kind == "min":
+            if kind == "mean":
+                self.totals[name] = _pooled_mean(t, parts)
+            elif kind == "min":
                 t[0] = min(t[0], parts[0])
             elif kind == "max":
                 t[0] = max(t[0], parts[0])
@@ -174,7 +188,8 @@ class MetricAccumulator:
         neutral = {"min": math.inf, "max": -math.inf}
         device = torch.device("cuda", torch.cuda.current_device()) \
             if str(torch.distributed.get_backend()) == "nccl" else torch.device("cpu")
-        for op, pick in ((torch.distributed.ReduceOp.SUM, lambda k: k not in ("min", "max")),
+        self._all_reduce_means([n for n in names if kinds[n] == "mean"], device)
+        for op, pick in ((torch.distributed.ReduceOp.SUM, lambda k: k not in ("min", "max", "mean")),
                          (torch.distributed.ReduceOp.MIN, lambda k: k == "min"),
                          (torch.distributed.ReduceOp.MAX, lambda k: k == "max")):
             chosen = [n for n in names if pick(kinds[n])]
@@ -192,12 +207,28 @@ class MetricAccumulator:
         # Ranks step together, so the step count needs no reduction.
         self.totals = {n: v for n, v in self.totals.items() if not (kinds[n] in neutral and math.isinf(v[0]))}
 
+    def _all_reduce_means(self, names: list[str], device) -> None:
+        """Pool ``mean`` metrics over ranks: the counts are summed first, then each rank adds its
+        mean weighted by its share of the count (a convex combination: it cannot overflow)."""
+        if not names:
+            return
+        own = [self.totals.get(n, [0.0, 0.0]) for n in names]
+        counts = torch.tensor([n for _, n in own], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(counts)
+        weighted = torch.tensor([m * (n / total) if total else 0.0 for (m, n), total in zip(own, counts.tolist())],
+                                dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(weighted)
+        for name, mean, total in zip(names, weighted.tolist(), counts.tolist()):
+            self.totals[name] = [mean, total]
+
     def result(self) -> dict[str, float]:
         out = {}
         for name, t in self.totals.items():
             kind = self.kinds[name]
             if kind == "ratio":
                 out[name] = t[0] / t[1] if t[1] else 0.0
+            elif kind == "mean":
+                out[name] = t[0]
             elif kind == "spread":
                 n = t[2]
                 out[name] = math.sqrt(max(t[1] / n - (t[0] / n) ** 2, 0.0)) if n else 0.0
@@ -209,6 +240,12 @@ class MetricAccumulator:
             else:
                 out[name] = t[0]
         return out
+
+
+def _pooled_mean(a: list[float], b: list[float]) -> list[float]:
+    """Two (mean, count) pairs as one, by a convex combination (finite for finite means)."""
+    n = a[1] + b[1]
+    return [a[0] * (a[1] / n) + b[0] * (b[1] / n), n] if n else [0.0, 0.0]
 
 
 def gradient_share_by_k(loss: torch.Tensor, logprobs: torch.Tensor, member_set_sizes: torch.Tensor) -> Metrics:

@@ -57,7 +57,7 @@ def episode_metrics(episodes: list[EpisodeResult], valid: list[Event], dropped: 
     m = Metrics()
     tokens = sum(ep.generated_tokens for ep in episodes)
     correct = sum(float(ep.reward >= 1.0) for ep in episodes)
-    m.ratio("reward", sum(ep.reward for ep in episodes), len(episodes))
+    m.mean("reward", [ep.reward for ep in episodes])  # finite for any finite rewards (a sum can overflow)
     m.ratio("accuracy", correct, len(episodes))
     m.sum("episodes", len(episodes))
     m.sum("team_tokens", tokens)

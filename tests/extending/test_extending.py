@@ -430,6 +430,29 @@ def test_metrics_combine_as_declared():
     assert out["loss"] == pytest.approx(0.75)  # two micro-batches of one optimizer step: summed
 
 
+def test_the_logged_mean_reward_is_finite_for_any_finite_rewards():
+    """Rewards of ±1e308 are finite; their sum is not.  The step's mean reward is pooled as a
+    convex combination of means, over episodes, micro-batches and calls."""
+    from srpo.objective.metrics import MetricAccumulator, Metrics
+    from srpo.train.diagnostics import episode_metrics
+    from srpo.types import EpisodeResult, Task
+
+    task = Task("t", "q", ("1",), "math")
+    episodes = [EpisodeResult(f"e{i}", task, "1", r, []) for i, r in enumerate([1e308, 1e308, -1e308, 1e308])]
+    out = episode_metrics(episodes, [], 0, {"tokens": 0, "correct": 0, "episodes": 0})
+    assert out["reward"] == pytest.approx(0.5e308)
+    a, b = Metrics(), Metrics()
+    a.mean("r", [1e308, 1e308, 1e308])
+    b.mean("r", torch.tensor([1e308], dtype=torch.float64))
+    pooled = MetricAccumulator()
+    for m in (a, b):
+        pooled.add(m)
+    assert pooled.result()["r"] == pytest.approx(1e308)
+    small = Metrics()
+    small.mean("r", [0.25, 0.5, 1.0])
+    assert small["r"].item() == pytest.approx(1.75 / 3, abs=1e-15)
+
+
 def test_gradient_share_by_k_splits_the_logprob_gradient():
     from srpo.objective import LossInputs, policy_loss
     from srpo.objective.metrics import gradient_share_by_k

@@ -248,7 +248,7 @@ def diagnostics(run_dir: Path) -> dict[str, Any]:
 
     def avg(rs, key):
         vals = [r[key] for r in rs if isinstance(r.get(key), (int, float))]
-        return sum(vals) / len(vals) if vals else None
+        return sum(v / len(vals) for v in vals) if vals else None  # finite for finite values (a sum may overflow)
 
     out = {
         "set_ratio_min": min((r.get("objective/set_ratio/min", 1.0) for r in rows), default=None),
