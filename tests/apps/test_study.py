@@ -282,3 +282,28 @@ def test_a_preempted_study_stops_its_cell_s_process_at_a_checkpoint_and_continue
     assert f"at step {stopped_at}" in done.stderr and "resumed from" in done.stderr  # the cell's process logs it
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps == list(range(1, 61)), "every step once"
+
+
+def test_a_base_that_evaluates_during_training_makes_cells_that_do_not_unless_the_study_keeps_it(tmp_path):
+    """Cells drop the base's held-out sets (the study evaluates after training), so they turn its
+    evaluation during training off too; ``eval.during_training: true`` keeps both."""
+    from srpo.apps.study import cell_config, cells, load_study
+
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump({
+        "model": {"name": "tiny-llama"}, "workflow": {"name": "single"},
+        "task": {"kind": "math", "train": {"source": "synthetic_arithmetic", "level": 0, "n": 8},
+                 "eval": [{"source": "synthetic_arithmetic", "level": 0, "n": 4, "name": "curve"}]},
+        "eval": {"k": 1, "every": 5}, "log": {"tensorboard": False},
+    }))
+    study = {"output_dir": str(tmp_path / "out"), "base": "base.yaml", "seeds": [0],
+             "axes": {"method": [{"label": "srpo", "set": {}}, {"label": "grpo", "set": {"method.name": "grpo"}}]},
+             "eval": {"k": 1, "datasets": [{"source": "synthetic_arithmetic", "level": 0, "n": 2, "name": "a"}]}}
+    (tmp_path / "study.yaml").write_text(yaml.safe_dump(study))
+    spec = load_study(tmp_path / "study.yaml")
+    cfg = cell_config(spec, cells(spec)[1], tmp_path / "cell")
+    assert cfg.eval.every == 0 and not cfg.task.eval and cfg.method.name == "grpo"
+    study["eval"]["during_training"] = True
+    (tmp_path / "study.yaml").write_text(yaml.safe_dump(study))
+    spec = load_study(tmp_path / "study.yaml")
+    cfg = cell_config(spec, cells(spec)[0], tmp_path / "cell")
+    assert cfg.eval.every == 5 and [s.name for s in cfg.task.eval] == ["curve"]

@@ -253,14 +253,20 @@ def test_every_config_in_configs_validates(tmp_path, monkeypatch):
                 assert parse_section(Config, data).rollout.engine == "vllm"
         else:
             load_config(f)
-    studies = glob.glob(str(ROOT / "configs" / "studies" / "*.yaml"))
-    studies = [s for s in studies if not s.endswith("_base.yaml")]
-    assert len(studies) >= 5
+    # Every study file anywhere in configs/ (a study names a base and axes), the paper's included;
+    # the paper's cells select the vLLM engine, installed in its own environment (.venv-vllm).
+    studies = [f for f in glob.glob(str(ROOT / "configs" / "**" / "*.yaml"), recursive=True)
+               if {"base", "axes"} <= set(read_yaml(f) or {})]
+    assert len(studies) >= 14 and any("/paper/" in f for f in studies)
+    from srpo import build
     from srpo.apps.study import cells, references
 
     checked = 0
     for s in studies:
-        spec = load_study(s)  # every cell and reference validated
+        with monkeypatch.context() as m:
+            if "/paper/" in s:
+                m.setattr(build, "_check_installed", lambda cfg: None)
+            spec = load_study(s)  # every cell and reference validated
         checked += len(cells(spec)) + len(references(spec))
     assert checked > 100
 

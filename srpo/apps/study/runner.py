@@ -289,6 +289,10 @@ def run_study(path: str | Path, progress: bool = True, only: int | None = None,
                     "be a large share of the seed-to-seed spread (scripts/plan_seeds.py reports it)",
                     MIN_HELDOUT_PROBLEMS, ", ".join(f"{k} ({v})" for k, v in small.items()))
     todo = cells(spec)
+    base_every = ((spec["base_config"].get("eval") or {}).get("every") or 0)
+    if base_every and not spec["eval"].get("during_training", False) and index == 1:
+        log.info("the base config evaluates every %s steps; the cells do not (eval.every: 0): the study evaluates each "
+                 "cell after training on eval.datasets (eval.during_training: true keeps the base's curves)", base_every)
 
     def run(spec, cell, root, progress, train=True):
         """A finished cell is reused here; an unfinished one runs in its own process (or here)."""

@@ -37,6 +37,11 @@ class StudyEval(Section):
     """Sampling temperature of the evaluation (None: the cell's workflow.temperature)."""
     datasets: list[DataSource]
     """Held-out sets; file paths relative to the study file."""
+    during_training: bool = False
+    """Also evaluate during training as the base config does (its ``task.eval`` sets every
+    ``eval.every`` steps: curves in each cell's metrics).  false: cells do not evaluate during
+    training (``task.eval`` dropped, ``eval.every: 0``); the study evaluates each cell once, after
+    training, on ``datasets``."""
 
 
 class PrimaryComparison(Section):
@@ -196,8 +201,13 @@ def references(spec: dict) -> list[dict]:
 
 
 def cell_config(spec: dict, cell: dict, run_dir: Path):
-    data = apply_overrides(copy.deepcopy(spec["base_config"]), {**cell["overrides"], "run.output_dir": str(run_dir)})
-    data.setdefault("task", {})["eval"] = []
+    """The training config of ``cell``: the base, without evaluation during training unless the
+    study's ``eval.during_training`` keeps it (a cell's own overrides still apply on top)."""
+    base = copy.deepcopy(spec["base_config"])
+    if not spec["eval"].get("during_training", False):  # the study evaluates after training, on its own sets
+        base.setdefault("task", {})["eval"] = []
+        base["eval"] = {**(base.get("eval") or {}), "every": 0}
+    data = apply_overrides(base, {**cell["overrides"], "run.output_dir": str(run_dir)})
     if spec.get("folder"):  # workflow.options.entry: path/to/team.py:fn is relative to the study file, as in a config
         resolve_program_path(data, Path(spec["folder"]))
     return build.config_from_dict(data)
