@@ -1,8 +1,6 @@
 """``python -m srpo``: the ``srpo`` command (also ``torchrun --nproc_per_node N -m srpo train ...``)."""
 
-import sys
-
-from srpo.apps.cli import main
+from srpo.apps.cli import entry
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

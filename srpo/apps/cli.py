@@ -86,6 +86,9 @@ def _maybe_init_distributed(run_device: str = "cpu", timeout_s: float = 600.0) -
         # Every collective waits at most run.collective_timeout_s (gloo and NCCL honour it).
         Accelerator(cpu=device.type == "cpu",
                     kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout_s))])
+        from srpo.parallel.teardown import mark_process_group_used
+
+        mark_process_group_used()
 
 
 def _parse_data(specs: list[str]):
@@ -624,8 +627,16 @@ def main(argv: list[str] | None = None) -> int:
     bad input (config, data, checkpoint, model, run folder, arguments), 1 for anything
     unexpected, 130 for Ctrl-C; ``-v`` adds the traceback."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+    from srpo.runs.terminal import survive_lost_terminal
+
+    survive_lost_terminal()  # before logging captures stderr: a terminal that goes away ends no run
+    # INFO records reach the run folder's srpo.log (srpo.runs.run_log); the terminal shows warnings.
+    before = list(logging.getLogger().handlers)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        if handler not in before:  # the terminal's (logging configured by someone else is left alone)
+            handler.setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     for noisy in ("bm25s", "transformers", "peft"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     from srpo.runs import preemption
@@ -673,5 +684,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def entry() -> None:
+    """The ``srpo`` command (console script, ``python -m srpo``): :func:`main`, then exit — a process
+    that formed a process group ends without finalising the interpreter
+    (:mod:`srpo.parallel.teardown`: gloo's threads can otherwise abort a finished run)."""
+    code = main()
+    from srpo.parallel.teardown import end_process, process_group_used
+
+    if process_group_used():
+        end_process(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

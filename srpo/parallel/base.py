@@ -202,6 +202,10 @@ class DataParallel(SingleProcess):
         self.world = torch.distributed.get_world_size() if self.enabled else 1
         self._store = None
         self._beat_stop = None
+        if self.enabled:  # a script of the user's that formed the group can end with end_process too
+            from srpo.parallel.teardown import mark_process_group_used
+
+            mark_process_group_used()
         if self.enabled and self.world > 1:  # one rank has no peer to name
             self._start_heartbeat()
 

@@ -77,6 +77,9 @@ def ensure_process_group(run_device: str = "cpu") -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RuntimeError("WORLD_SIZE > 1 but no process group: launch with torchrun")
     dist.init_process_group(process_group_backend(run_device), store=dist.HashStore(), rank=0, world_size=1)
+    from srpo.parallel.teardown import mark_process_group_used
+
+    mark_process_group_used()
     # Torn down before the interpreter's own teardown: a gloo group destroyed at exit with its
     # threads still running can abort the process ("terminate called without an active exception")
     # after everything succeeded.

@@ -193,6 +193,7 @@ def save_checkpoint(run_dir: Path, step: int, policies, tensor_state: dict[str, 
             shutil.rmtree(final)
         os.replace(tmp, final)
     except BaseException as err:
+        over_limit = _file_size_limit_reached(err, tmp)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         # Any failure of the write — OSError from Python, RuntimeError from torch's zip writer
@@ -200,10 +201,16 @@ def save_checkpoint(run_dir: Path, step: int, policies, tensor_state: dict[str, 
         # is reported the same way; Ctrl-C and other BaseExceptions pass through unchanged.
         if isinstance(err, Exception) and not isinstance(err, CheckpointError):
             previous = latest_pointer(run_dir)
-            free = shutil.disk_usage(root if root.exists() else Path(run_dir)).free / 2**20
-            reason = err.strerror if isinstance(err, OSError) and err.strerror else (str(err).splitlines() or [repr(err)])[0]
+            if over_limit is not None:  # the disk has room: the process may not write a file this large
+                cause = (f"a file reached this process's file-size limit of {over_limit} bytes (ulimit -f); raise the "
+                         f"limit, or keep less in a checkpoint")
+            else:
+                free = shutil.disk_usage(root if root.exists() else Path(run_dir)).free / 2**20
+                reason = (err.strerror if isinstance(err, OSError) and err.strerror
+                          else (str(err).splitlines() or [repr(err)])[0])
+                cause = f"{reason}; {free:.0f} MiB free on that disk"
             raise CheckpointError(
-                f"could not write checkpoint {final} ({reason}; {free:.0f} MiB free on that disk). "
+                f"could not write checkpoint {final} ({cause}). "
                 f"Nothing was replaced: {'the previous checkpoint ' + previous.name + ' is intact' if previous else 'no earlier checkpoint exists'}."
             ) from err
         raise
@@ -228,6 +235,25 @@ def best_checkpoint(run_dir: Path) -> Path | None:
 
 
 # ------------------------------------------------------------------------------------ reading
+
+
+def _file_size_limit_reached(err: BaseException, folder: Path | None) -> int | None:
+    """The soft file-size limit (``ulimit -f``, bytes) when it is what failed the write: the error
+    is EFBIG, or a file in ``folder`` has grown to the limit (torch's zip writer reports only
+    "unexpected pos").  None when there is no limit or it was not reached."""
+    import errno
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit == resource.RLIM_INFINITY:
+        return None
+    if (isinstance(err, OSError) and err.errno == errno.EFBIG) or os.strerror(errno.EFBIG) in str(err):
+        return limit  # EFBIG, from Python or inside a writer's own message (safetensors: "os error 27")
+    try:
+        largest = max((p.stat().st_size for p in _files(folder)), default=0) if folder is not None else 0
+    except OSError:
+        return None
+    return limit if largest >= limit else None
 
 
 def latest_pointer(run_dir: Path) -> Path | None:

@@ -38,6 +38,15 @@ class MetricsLogger:
         self.trackers: list | None = None
         # TensorBoard drops its events at or after this step: set on resume.
         self.purge_step: int | None = None
+        self._run_log = None  # srpo.log's handler, once the folder is claimed
+
+    def open_run_log(self) -> None:
+        """Copy srpo's log records into the run folder's ``srpo.log`` (:mod:`srpo.runs.run_log`)."""
+        from srpo.runs.run_log import attach_run_log
+
+        if self.enabled and self._run_log is None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._run_log = attach_run_log(self.run_dir)
 
     def _open_trackers(self) -> list:
         """Opened on the first row, after the run folder was claimed (or cleared)."""
@@ -80,9 +89,13 @@ class MetricsLogger:
 
     def close(self, status: str = "finished") -> None:
         """Close the trackers' runs; ``status="killed"`` marks them so (a preempted run)."""
+        from srpo.runs.run_log import detach_run_log
+
         for tracker in self.trackers or []:
             tracker.close(status)
         self.trackers = None
+        detach_run_log(self._run_log)
+        self._run_log = None
 
 
 def _append_line(path: Path, text: str) -> None:

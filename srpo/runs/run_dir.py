@@ -28,6 +28,7 @@ import socket
 import sys
 from pathlib import Path
 
+from srpo.runs.fileio import write_error
 from srpo.runs.secrets import redacted
 
 log = logging.getLogger(__name__)
@@ -56,8 +57,10 @@ class RunLock:
 
     def acquire(self) -> "RunLock":
         try:
+            self._made_folder = not self.run_dir.exists()
             self.run_dir.mkdir(parents=True, exist_ok=True)
             refuse_links(self.run_dir, [LOCK_FILE])
+            self._created = not self.path.exists()
             # O_NOFOLLOW: a link planted after the check still cannot redirect the truncation below.
             f = os.fdopen(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644), "a+")
         except OSError as err:
@@ -77,25 +80,47 @@ class RunLock:
             self.took_over = previous
             log.warning("took over the stale lock of %s (pid %s on %s, started %s: it ended without "
                         "releasing it)", self.run_dir, previous.get("pid"), previous.get("host"), previous.get("started"))
-        f.seek(0)
-        f.truncate()
-        f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                            "started": datetime.datetime.now().isoformat(timespec="seconds"),
-                            "argv": redacted(sys.argv[:8])}))
-        f.flush()
         self._file = f
+        try:
+            f.seek(0)
+            f.truncate()
+            f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                "started": datetime.datetime.now().isoformat(timespec="seconds"),
+                                "argv": redacted(sys.argv[:8])}))
+            f.flush()
+        except OSError as err:  # a full disk: no run starts, and no lock is left behind
+            self.abandon()
+            raise write_error(err, self.path) from None
         return self
+
+    def abandon(self) -> None:
+        """Release after a start that failed: the lock file goes too when this lock created it."""
+        created = self._file is not None and getattr(self, "_created", False)
+        try:
+            self.release()
+        except OSError:
+            pass
+        if created:
+            try:
+                self.path.unlink()
+                if getattr(self, "_made_folder", False):
+                    self.run_dir.rmdir()  # only if empty: a folder this start made and left nothing in
+            except OSError:
+                pass
 
     def release(self) -> None:
         if self._file is None:
             return
+        f, self._file = self._file, None
         try:
-            self._file.seek(0)
-            self._file.truncate()  # an empty lock file: released cleanly, nothing to take over
-            fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
+            f.seek(0)
+            f.truncate()  # an empty lock file: released cleanly, nothing to take over
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
         finally:
-            self._file.close()
-            self._file = None
+            try:
+                f.close()
+            except OSError:  # a buffered write the full disk refused: the lock is released either way
+                pass
 
     @property
     def held(self) -> bool:

@@ -83,6 +83,14 @@ class Trainer:
         self.lock = RunLock(self.run_dir)
         state.on_rank0_agreed(self.backend, lambda: (self.lock.acquire(), remove_stale_temporaries(self.run_dir)),
                               RunDirError(f"rank 0 could not lock the run folder {self.run_dir}; see its message"))
+        try:
+            self._assemble(cfg, policies, reward_fn, allow_data_change)
+        except BaseException:  # a failed start leaves no lock (nor a lock file it created)
+            self.lock.abandon()
+            raise
+
+    def _assemble(self, cfg: Config, policies: PolicySet | None, reward_fn, allow_data_change: bool) -> None:
+        """The run's parts, built from ``cfg`` once the folder is locked."""
         self.method = build.method(cfg)
         self._seed_everything(cfg.run.seed)
         self.train_tasks = build.train_tasks(cfg)

@@ -56,7 +56,7 @@ def run_artefacts(cfg) -> list[str]:
     """The names a training run writes in its folder: logs, checkpoints, its trackers' files."""
     from srpo.runs.trackers import tracker_artefacts
 
-    return ["metrics.jsonl", "samples.jsonl", "checkpoints", "trackers.json",
+    return ["metrics.jsonl", "samples.jsonl", "checkpoints", "trackers.json", "srpo.log",
             *tracker_artefacts(cfg.log.active_backends(), cfg.log)]
 
 
@@ -68,6 +68,7 @@ def claim_fresh(trainer) -> None:
         deleted = run_folder.claim(run_dir, trainer.run_artefacts(), overwrite=trainer.overwrite)
         if deleted:
             log.warning("--overwrite: deleted the previous run's %s in %s", ", ".join(deleted), run_dir)
+        trainer.logger.open_run_log()
     on_rank0_agreed(trainer.backend, claim, RunDirError(f"rank 0 refused the run folder {run_dir}; see its message"))
     trainer.claimed = True
 
@@ -77,6 +78,7 @@ def _adopt(trainer) -> None:
     def adopt():
         run_folder.refuse_links(trainer.run_dir, trainer.run_artefacts())
         run_folder.record_owned(trainer.run_dir, run_folder.owned(trainer.run_dir) | set(trainer.run_artefacts()))
+        trainer.logger.open_run_log()
     on_rank0_agreed(trainer.backend, adopt, RunDirError(f"rank 0 refused the run folder {trainer.run_dir}"))
 
 

@@ -162,3 +162,6 @@ if __name__ == "__main__":
         update_by_policy(*sys.argv[2:6])
     else:
         resume(*sys.argv[2:4])
+    from srpo.parallel.teardown import end_process
+
+    end_process(0)  # as the srpo command ends a rank (srpo.parallel.teardown)

@@ -53,3 +53,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from srpo.parallel.teardown import end_process
+
+    end_process(0)  # as the srpo command ends a rank (srpo.parallel.teardown)

@@ -105,3 +105,6 @@ def main(out_path: str, run_dir: str, *overrides: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    from srpo.parallel.teardown import end_process
+
+    end_process(0)  # as the srpo command ends a rank (srpo.parallel.teardown)

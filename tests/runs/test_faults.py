@@ -340,3 +340,31 @@ def test_user_code_that_fails_at_import_names_the_field_and_the_path(tmp_path, m
     sys.modules.pop("badteam", None)
     with pytest.raises(ConfigError, match=rf"workflow.name: 'badteam:Team': .*{message}"):
         load_config(None, [f"run.output_dir={tmp_path / 'run'}", "workflow.name=badteam:Team"])
+
+
+def test_a_terminal_that_goes_away_mid_run_ends_nothing(tmp_path):
+    """stdout and stderr on a pty whose reader closes after step 1 (an ssh session dropped): the run
+    trains every step, checkpoints the last, exits 0, and says so in the run folder's srpo.log."""
+    import pty
+    import select
+
+    from helpers.runs import cli_train
+
+    run = tmp_path / "run"
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(cli_train(run, ["run.steps=4"]), stdin=subprocess.DEVNULL, stdout=slave, stderr=slave,
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    os.close(slave)
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 1) and time.monotonic() < deadline:
+        if select.select([master], [], [], 0.05)[0]:  # drain, as a terminal does, until step 1 is logged
+            try:
+                os.read(master, 65536)
+            except OSError:
+                break
+    os.close(master)  # the terminal is gone: every later write to it fails with EIO
+    assert proc.wait(timeout=600) == 0
+    assert (run / "checkpoints" / "step_0000004").is_dir()
+    assert len(metrics.read_text().splitlines()) == 4
+    assert "the terminal behind" in (run / "srpo.log").read_text()

@@ -226,6 +226,33 @@ def _small_filesystem(path: Path, size: str):
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small file system needs root")
+def test_a_fresh_run_on_a_full_disk_names_the_file_and_leaves_no_lock(tmp_path, capsys):
+    """The very first write of a run (its lock's record) fails on a full disk: the error names the
+    file and the cause, and nothing of the run is left — no lock file, no empty folder.  A start
+    that fails later (a data file that is not there) releases and removes its lock too."""
+    disk = tmp_path / "disk"
+    _small_filesystem(disk, "64k")
+    try:
+        with open(disk / "filler", "wb", buffering=0) as f:  # unbuffered: nothing left to fail at close
+            try:
+                while True:
+                    f.write(b"x" * 4096)
+            except OSError:
+                pass
+        run = disk / "run"
+        assert main(["train", "--config", "configs/math/single/srpo.yaml", *[x for o in tiny(run) for x in ("--set", o)]]) == 2
+        assert f"error: cannot write {run / '.lock'}: the disk is full" in capsys.readouterr().err
+        assert not run.exists()
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+    run = tmp_path / "run"
+    missing = ["task.train.source=" + str(tmp_path / "nowhere.jsonl")]
+    assert main(["train", "--config", "configs/math/single/srpo.yaml",
+                 *[x for o in tiny(run, missing) for x in ("--set", o)]]) == 2
+    assert "nowhere.jsonl" in capsys.readouterr().err and not (run / ".lock").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small file system needs root")
 def test_a_real_full_disk_cuts_a_metrics_line_and_a_checkpoint_then_resume_works(tmp_path):
     """A real 3 MiB file system: the checkpoint write fails cleanly, a metrics row is cut off by
     ENOSPC mid-line; after space is freed, --resume continues from the last good checkpoint."""
@@ -606,3 +633,19 @@ def test_eval_reads_the_weights_of_an_older_checkpoint_without_a_manifest(tmp_pa
         assert main(["eval", "--model", str(run), "--data", "synthetic_arithmetic:level=1:n=1", "-k", "1",
                      "--max-new-tokens", "2"]) == 0
     assert "written by an older srpo" in caplog.text
+
+
+@pytest.mark.parametrize("limit", [300_000, 500_000], ids=["safetensors-file", "torch-zip-file"])
+def test_a_checkpoint_over_the_file_size_limit_names_the_limit(tmp_path, limit):
+    """``ulimit -f`` below a checkpoint file's size: the message names the limit (the writers say
+    only "File too large" inside their own text, or torch's "unexpected pos"), not a free-space
+    figure that points the wrong way; the run's log rows are intact."""
+    import resource
+
+    run = tmp_path / "run"
+    done = subprocess.run(cli_train(run), env=ENV, capture_output=True, text=True, timeout=600,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    assert done.returncode == 2
+    last = done.stderr.strip().splitlines()[-1]
+    assert f"file-size limit of {limit} bytes (ulimit -f)" in last and "free on that disk" not in last, last
+    assert "step_0000001" in last and steps_logged(run) == [1]
