@@ -212,7 +212,6 @@ class ServeBackend:
         self.max_tokens = max_tokens  # --max-tokens (None: what the context leaves)
         self.max_queue = max_queue
         self.stats = {"served": 0, "shed_busy": 0, "shed_closing": 0, "cancelled": 0, "generated": 0}
-        self._capped_once = False
         self._closing = False
         self._waiting: set[asyncio.Future] = set()  # every generation queued or running
         self._batch_s = 1.0  # the last batch's duration: what Retry-After is estimated from
@@ -266,12 +265,14 @@ class ServeBackend:
         if cap is not None and cap < 1:
             raise ProtocolError(f"the prompt has {len(ids)} tokens and leaves no room in the model's context of "
                                 f"{self.context}", param=where, code="context_length_exceeded")
+        if req.max_tokens is not None and cap is not None and req.max_tokens > cap:
+            # Refused, as OpenAI's API and vLLM's server do: a silent cap would hand the client
+            # a reply shorter than it planned for, cut with finish_reason "length".
+            why = (f"--max-tokens {cap}" if self.max_tokens else
+                   f"the model's context of {self.context} tokens leaves {cap} after the {len(ids)}-token prompt")
+            raise ProtocolError(f"max_tokens is {req.max_tokens}; this server generates at most {cap} here ({why})",
+                                param="max_tokens", code="context_length_exceeded" if not self.max_tokens else None)
         params = sampling(req, self.role_specs[req.model], cap if cap is not None else 1 << 30)
-        if req.max_tokens is not None and params.max_new_tokens < req.max_tokens and not self._capped_once:
-            self._capped_once = True  # said once: a client asking past the cap asks every time
-            log.warning("a request asked for max_tokens=%d; it gets %d (%s). Later caps are not logged.",
-                        req.max_tokens, params.max_new_tokens, "--max-tokens" if self.max_tokens else
-                        f"what the model's context of {self.context} leaves after its {len(ids)}-token prompt")
         self._refuse_when_busy(req.n)  # again: tokenising took time, others may have queued
         futures = []
         for request in _requests(req, ids, params, on_token):

@@ -533,7 +533,7 @@ def test_a_trained_team_is_served_and_evaluated(tmp_path):
     assert "openai_agent" in out.stdout
 
 
-def test_srpo_serve_gives_max_tokens_past_the_training_budget_and_says_when_it_caps(caplog):
+def test_srpo_serve_gives_max_tokens_past_the_training_budget_and_refuses_what_it_cannot_give():
     import asyncio
 
     from srpo.gateway.backends import ServeBackend
@@ -556,9 +556,14 @@ def test_srpo_serve_gives_max_tokens_past_the_training_budget_and_says_when_it_c
         return asyncio.run(go())[0][0].completion_tokens
 
     assert ask(ServeBackend(policies, policies, specs), 40) == 40  # no --max-tokens, no known context: as asked
-    with caplog.at_level("WARNING"):
-        assert ask(ServeBackend(policies, policies, specs, max_tokens=25), 40) == 25
-    assert "max_tokens=40; it gets 25 (--max-tokens)" in caplog.text
+    assert ask(ServeBackend(policies, policies, specs, max_tokens=25), 25) == 25
+    with pytest.raises(ProtocolError, match=r"max_tokens is 40; this server generates at most 25 here \(--max-tokens 25\)") as err:
+        ask(ServeBackend(policies, policies, specs, max_tokens=25), 40)  # as OpenAI and vLLM: 400, not a silent cap
+    assert err.value.param == "max_tokens" and err.value.status == 400
+    context = ServeBackend(policies, policies, specs)
+    context.context = 64  # a model whose context leaves 64 - prompt tokens
+    with pytest.raises(ProtocolError, match=r"max_tokens is 1000000000; .* context of 64 tokens leaves \d+ after the "):
+        ask(context, 10**9)
 
 
 def test_the_documented_cases_where_inference_and_intent_differ():
