@@ -73,9 +73,11 @@ def _evaluate_dataset(runtime, workflow, name: str, tasks: list[Task], k: int, m
     sums = {metric: 0.0 for metric in extra}
     tokens = correct = seen = 0
     examples = []
-    # Episodes run in chunks of 64 (whole tasks) so the progress bar moves; each chunk still
-    # batches all of its pending requests.
-    chunk = max(k, (min(max_batch, 64) // k) * k)
+    # Episodes run in chunks of at most 64 so the progress bar moves and memory holds one chunk's
+    # episodes, however large k; each chunk still batches all of its pending requests.  Chunks are
+    # whole tasks while k fits (the sampler's draws, hence results, as they always were).
+    size = min(max_batch, 64)
+    chunk = (size // k) * k if k <= size else size
     with torch.no_grad():
         for start in range(0, len(jobs), chunk):
             for offset, ep in enumerate(runtime.run(workflow, jobs[start:start + chunk])):

@@ -48,8 +48,11 @@ def test_evaluation_keeps_no_episode_past_its_chunk_and_writes_every_one(tmp_pat
     most = []
     real_run = Runtime.run
 
+    sizes = []
+
     def run(self, wf, jobs):
         gc.collect()
+        sizes.append(len(jobs))
         most.append(sum(r() is not None for r in refs))  # episodes of earlier chunks still held now
         out = real_run(self, wf, jobs)
         refs.extend(weakref.ref(ep) for ep in out)
@@ -68,6 +71,14 @@ def test_evaluation_keeps_no_episode_past_its_chunk_and_writes_every_one(tmp_pat
         (f"t{i}", j) for i in range(40) for j in range(k)}
     assert results["datasets"]["set"][f"avg@{k}"] == pytest.approx(1 / 40)  # only 1 + 1 = 2 is right
     assert sum(x["reward"] for x in lines) == k
+    # k larger than a chunk: still at most 64 episodes at a time (a chunk of k = 5,000 held 5,000),
+    # each sample counted in its own task's row.
+    sizes.clear()
+    big = evaluate(policies, workflow, workflow.default_role_specs(), {"set": tasks[:3]}, k=150,
+                   episodes_path=tmp_path / "big.jsonl")
+    assert max(sizes) == 64 and sum(sizes) == 3 * 150
+    assert big["datasets"]["set"]["avg@150"] == pytest.approx(1 / 3) and big["datasets"]["set"]["pass@150"] == pytest.approx(1 / 3)
+    assert len((tmp_path / "big.jsonl").read_text().splitlines()) == 3 * 150
 
 
 @pytest.mark.slow
