@@ -688,7 +688,16 @@ def entry() -> None:
     """The ``srpo`` command (console script, ``python -m srpo``): :func:`main`, then exit — a process
     that formed a process group ends without finalising the interpreter
     (:mod:`srpo.parallel.teardown`: gloo's threads can otherwise abort a finished run)."""
-    code = main()
+    import contextlib
+    import signal
+
+    try:
+        code = main()
+    except KeyboardInterrupt:  # before main's own handler: while importing, parsing, building the parser
+        print("interrupted", file=sys.stderr)
+        code = 130
+    with contextlib.suppress(ValueError):  # a Ctrl-C while exiting (atexit, thread joins) ends at once, silently
+        signal.signal(signal.SIGINT, lambda *_: os._exit(130))
     from srpo.parallel.teardown import end_process, process_group_used
 
     if process_group_used():

@@ -54,3 +54,24 @@ def test_models_list(capsys):
     assert main(["models", "list"]) == 0
     out = capsys.readouterr().out
     assert "smollm2-135m" in out and "tiny-llama" in out
+
+
+def test_ctrl_c_before_the_command_runs_prints_one_line_and_no_traceback(monkeypatch, capsys):
+    """A Ctrl-C that lands while srpo is still importing or parsing (before ``main`` can catch it)
+    ends with "interrupted" and 130, like one during the command."""
+    import signal
+
+    from srpo.apps import cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "main", interrupted)
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit) as done:
+            cli.entry()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert done.value.code == 130
+    assert capsys.readouterr().err == "interrupted\n"
