@@ -300,3 +300,34 @@ def test_a_run_config_names_a_server_instead_of_a_corpus():
         load_config(base, ["retriever.url=http://127.0.0.1:9/retrieve"])
     with pytest.raises(ConfigError, match="needs a corpus .* or a retrieval server"):
         load_config(base, ["task.corpus=''"])
+
+
+@pytest.mark.slow
+def test_a_retrieval_server_restarted_between_two_calls_is_reconnected_transparently():
+    """The service is stopped and started again (a new process on the same port) between two calls
+    of one client: the second call reaches the new server over a new connection, with no failure."""
+    from srpo.tasks.retrieval_service import HTTPRetriever
+
+    port = free_port()
+
+    def serve():
+        return subprocess.Popen([sys.executable, "-m", "srpo.apps.cli", "retriever", "serve", "--corpus",
+                                 "synthetic_kb:n=40:seed=2", "--port", str(port)],
+                                env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+
+    proc = serve()
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/health", proc)
+        remote = HTTPRetriever(f"http://127.0.0.1:{port}/retrieve")
+        query = _queries_for("synthetic_kb:n=40:seed=2")[0]
+        first = remote.search(query, 3)
+        proc.terminate()
+        proc.wait(timeout=30)
+        proc = serve()  # restarted: the client's pooled connection now leads nowhere
+        wait_healthy(f"http://127.0.0.1:{port}/health", proc)
+        assert remote.search(query, 3) == first and first
+        assert remote.stats["failures"] == 0 and remote.stats["timeouts"] == 0, remote.stats
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -91,6 +91,18 @@ def sleeps(task, url):
     return answer
 
 
+def killed_on_one(task, url):
+    """Its worker process is killed (SIGKILL, as the kernel's OOM killer does) in the middle of
+    every episode whose question ends in "1?", after the program's first call."""
+    import os
+    import signal
+
+    answer = _ask(_client(url), "solver", task.question)
+    if task.question.endswith("1?"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return answer
+
+
 def langgraph_team(task, url):
     """Two solvers in parallel and a judge, as a LangGraph graph over langchain-openai's ChatOpenAI."""
     from typing import TypedDict
