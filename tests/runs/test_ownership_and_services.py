@@ -309,16 +309,7 @@ def test_a_frozen_torchrun_rank_is_named_and_the_run_ends(tmp_path):
         while time.monotonic() < deadline and not ((run / "metrics.jsonl").is_file() and steps_logged(run)):
             assert proc.poll() is None, proc.stdout.read()[-3000:]
             time.sleep(0.1)
-        rank1 = None
-        for pid in os.listdir("/proc"):
-            try:
-                env = (Path("/proc") / pid / "environ").read_bytes().split(b"\0")
-            except (OSError, ValueError):
-                continue
-            if b"RANK=1" in env and any(e.startswith(b"TORCHELASTIC_RUN_ID=") for e in env) \
-                    and any(str(run).encode() in a for a in (Path("/proc") / pid / "cmdline").read_bytes().split(b"\0")):
-                rank1 = int(pid)
-        assert rank1 is not None, "rank 1's process"
+        rank1 = _rank_process(run, 1)
         os.kill(rank1, signal.SIGSTOP)  # frozen: alive, holding its sockets, answering nothing
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode != 0
@@ -330,6 +321,74 @@ def test_a_frozen_torchrun_rank_is_named_and_the_run_ends(tmp_path):
             os.kill(rank1, signal.SIGKILL)
         except (OSError, TypeError, UnboundLocalError):
             pass
+
+
+@pytest.mark.slow
+@pytest.mark.torchrun
+@pytest.mark.timeout(600)
+def test_a_rank_killed_mid_update_stops_every_rank_and_the_newest_checkpoint_resumes(tmp_path):
+    """FSDP over two gloo ranks, a checkpoint every step; rank 1 is SIGKILLed (as the OOM killer
+    does) after step 2: the whole job ends within the collective timeout, the newest checkpoint
+    verifies, and --resume continues from it (resumption's exactness: tests/parallel/test_fsdp.py)."""
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from srpo.runs.checkpoint import candidates, verify
+    from helpers.runs import ENV, free_port
+    from helpers import ROOT
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed")
+    run = tmp_path / "run"
+
+    def launch(steps, *flags):
+        overrides = tiny(run, [f"run.steps={steps}", "run.collective_timeout_s=20", "train.parallel=fsdp"])
+        return [str(torchrun), "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "srpo.apps.cli",
+                "train", "--config", str(ROOT / "configs/math/single/srpo.yaml"),
+                *[x for o in overrides for x in ("--set", o)], *flags]
+
+    proc = subprocess.Popen(launch(200), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not ((run / "metrics.jsonl").is_file() and len(steps_logged(run)) >= 2):
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            time.sleep(0.1)
+        rank1 = _rank_process(run, 1)
+        os.kill(rank1, signal.SIGKILL)
+        killed = time.monotonic()
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode != 0 and time.monotonic() - killed < 60, out[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    newest = candidates(run)[0]
+    assert verify(newest) is None, verify(newest)
+    step = int(newest.name.split("_")[1])
+    assert step >= 1  # the step being written when the peer died is a temporary folder, never "newest"
+    (run / ".lock").unlink(missing_ok=True)
+    done = subprocess.run(launch(step + 1, "--resume"), env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert steps_logged(run) == list(range(1, step + 2))
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]  # the resumed run tidied
+
+
+def _rank_process(run: Path, rank: int) -> int:
+    """The pid of torchrun's rank ``rank`` training into ``run``."""
+    for pid in os.listdir("/proc"):
+        try:
+            env = (Path("/proc") / pid / "environ").read_bytes().split(b"\0")
+            cmdline = (Path("/proc") / pid / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if f"RANK={rank}".encode() in env and any(e.startswith(b"TORCHELASTIC_RUN_ID=") for e in env) \
+                and any(str(run).encode() in a for a in cmdline):
+            return int(pid)
+    raise AssertionError(f"rank {rank}'s process")
 
 
 # ------------------------------------------------------------------- 6. the retrieval server's bounds
