@@ -104,10 +104,14 @@ def choice(sample: Sample, params: SamplingParams, req: CompletionRequest, rende
     """An OpenAI choice from a sample: the stop string that ended it removed, as OpenAI does, and
     tool calls parsed when the request offered tools (the forced start of a call included)."""
     text = sample.text
-    for stop in params.stop:
-        if sample.finish_reason in ("stop", "eos") and text.endswith(stop):
-            text = text[: -len(stop)]
-            break
+    found = [i for i in (text.find(stop) for stop in params.stop if stop) if i >= 0]
+    if sample.finish_reason == "stop" and found:  # cut at the first stop string, and what came with it in
+        text = text[: min(found)]                  # its token ("\n\n" under stop=["\n"])
+    else:
+        for stop in params.stop:
+            if sample.finish_reason == "eos" and stop and text.endswith(stop):
+                text = text[: -len(stop)]
+                break
     calls: list[dict[str, Any]] = []
     if req.tools and req.tool_choice != "none":
         text, calls = tools.parse_tool_calls(rendered.forced + text, rendered.tool_format, tokenizer)

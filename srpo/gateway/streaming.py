@@ -8,7 +8,9 @@ Responses API's event sequence — ending with what the whole reply says (finish
 Text leaves as soon as it is certain: an incomplete UTF-8 character is held until its last byte
 arrives, and with ``stop`` strings the last ``len(longest stop) - 1`` characters are held until
 the reply ends (a stop string is removed from the answer, as OpenAI does, so it must never have
-been sent).  Replies that offer tools are not streamed token by token: whether the text is a tool
+been sent).  The stream looks for the stop strings itself: the sampler reports each token before
+it checks for a stop, and one token may hold a stop string and more (``"\n\n"`` under
+``stop=["\n"]``) — nothing from the first stop string on ever leaves.  Replies that offer tools are not streamed token by token: whether the text is a tool
 call is known only once it is parsed, so they leave whole when done (tool calls as OpenAI streams
 them).  Both engines report tokens one by one: srpo's sampler from its decode loop, vLLM from its
 engine's step loop with delta outputs (:meth:`srpo.rollout.vllm.VLLMEngine.generate`); an engine
@@ -45,7 +47,9 @@ class TokenText:
         self.text = ""  # everything decoded so far
         self.n_sent = 0  # characters of ``text`` already sent
         self.prefix, self.read = 0, 0  # the decoding window: ids[prefix:read] is decoded text
-        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.stops = tuple(s for s in stops if s)
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.stopped = False  # a stop string has appeared: nothing more is sent
 
     @property
     def sent(self) -> str:
@@ -56,13 +60,21 @@ class TokenText:
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
+        if self.stopped:
+            return ""
         before = self._decode(self.ids[self.prefix:self.read])
         now = self._decode(self.ids[self.prefix:])
         if now.endswith("\ufffd") or len(now) <= len(before):  # a character whose bytes have not all arrived
             return ""
         self.text += now[len(before):]
         self.prefix, self.read = self.read, len(self.ids)
-        end = len(self.text) - self.hold
+        # A stop string starts at or after n_sent: the held characters cover any that began earlier.
+        found = [i for i in (self.text.find(stop, self.n_sent) for stop in self.stops) if i >= 0]
+        if found:
+            self.stopped = True
+            end = min(found)
+        else:
+            end = len(self.text) - self.hold
         if end <= self.n_sent:
             return ""
         piece, self.n_sent = self.text[self.n_sent:end], end

@@ -18,10 +18,47 @@ def test_text_leaves_once_certain():
     tok = byte_tokenizer()
     text = TokenText(tok, stops=("STOP",))
     ids = tok("héllo STOP", add_special_tokens=False)["input_ids"]
-    sent = "".join(text.push(i) for i in ids)
+    sent = "".join(text.push(i) for i in ids[:-1])
     # 'é' is two byte-tokens: never half-sent; the last 3 characters wait in case they begin 'STOP'
-    assert "\ufffd" not in sent and sent == "héllo S"
-    assert text.finish("héllo ") == "" and sent + text.finish("héllo STOP") == "héllo STOP"
+    assert "\ufffd" not in sent and sent == "héllo "
+    sent += text.push(ids[-1])  # completes 'STOP': none of it leaves, nor anything after it
+    sent += "".join(text.push(i) for i in tok(" more", add_special_tokens=False)["input_ids"])
+    assert sent == "héllo " and text.finish("héllo ") == ""
+
+
+class _Pieces:
+    """A tokenizer whose ids are indices into ``pieces`` (multi-character tokens)."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.pieces[i] for i in ids)
+
+
+@pytest.mark.parametrize("pieces, stops, expected", [
+    (["Thought", ":", " x", "\n\n", "Observation", ":"], ("\n",), "Thought: x"),  # stop + more in one token
+    (["Thought", ": x", "\nO", "bservation:", " 42"], ("Observation:",), "Thought: x\n"),  # the ReAct case
+    (["a", ".", "b", ",", "c"], ("\n", " ", ".", ","), "a"),  # several stops: the first one ends it
+    (["no", " stop", " here"], ("\n\n",), "no stop here"),
+])
+def test_a_stop_string_never_leaves_in_a_stream(pieces, stops, expected):
+    """The token that completes a stop string (or holds one and more) is never sent: the stream
+    holds back what could begin a stop and cuts at the first stop string it sees."""
+    from srpo.gateway.backends import choice
+    from srpo.gateway.protocol import parse_request
+    from srpo.policies.sampling import Sample, SamplingParams
+
+    text = TokenText(_Pieces(pieces), stops=stops)
+    sent = "".join(text.push(i) for i in range(len(pieces)))
+    whole = "".join(pieces)
+    stopped = any(s in whole for s in stops)
+    # What the unstreamed reply says (the same cut), and what the stream adds at its end.
+    sample = Sample(list(range(len(pieces))), whole, [0.0] * len(pieces), "stop" if stopped else "length")
+    req = parse_request({"model": "m", "messages": [{"role": "user", "content": "q"}]}, chat=True)
+    final = choice(sample, SamplingParams(stop=stops), req, None).text
+    assert final == expected and sent + text.finish(final) == expected
+    assert not any(s in sent for s in stops)
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +111,17 @@ def test_the_responses_api_streams_token_by_token(served):
     assert "".join(deltas) == whole and len(deltas) > 1
     assert events[-1].type == "response.completed" and events[-1].response.output_text == whole
     assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_streamed_replies_with_stop_strings_match_the_unstreamed_ones(served):
+    """Through the server and srpo's sampler: with stop strings one character long (held back by
+    nothing), the streamed deltas never carry a stop and add up to the unstreamed reply."""
+    client, _ = served
+    stops = ["\n", " ", ".", ","]
+    for prompt in ("Count:", "Say", "List things", "Hello there"):
+        messages = [{"role": "user", "content": prompt}]
+        whole = client.chat.completions.create(model="solver", messages=messages, stop=stops).choices[0].message.content
+        pieces = [c.choices[0].delta.content for c in client.chat.completions.create(
+            model="solver", messages=messages, stop=stops, stream=True)
+            if c.choices and c.choices[0].delta.content]
+        assert "".join(pieces) == whole and not any(s in p for p in pieces for s in stops), (prompt, pieces, whole)
