@@ -653,15 +653,21 @@ def _is_file_path(source: Any) -> bool:
 
 
 def resolve_program_path(data: dict, folder: Path) -> None:
-    """``workflow.options.entry: path/to/team.py:fn`` made relative to ``folder`` (a config's or a
-    study file's), as data paths are."""
+    """``workflow.options.entry: path/to/team.py:fn`` and ``workflow.options.python:
+    path/to/bin/python`` made relative to ``folder`` (a config's or a study file's), as data paths
+    are (a bare ``python3``, without a folder, is still looked up on the PATH)."""
     workflow = data.get("workflow")
     options = workflow.get("options") if isinstance(workflow, dict) else None
-    entry = options.get("entry") if isinstance(options, dict) else None
+    if not isinstance(options, dict):
+        return
+    entry = options.get("entry")
     if isinstance(entry, str) and ":" in entry:
         module, _, attr = entry.rpartition(":")
         if module.endswith(".py") and not os.path.isabs(module):
             options["entry"] = f"{os.path.normpath(Path(folder) / module)}:{attr}"
+    python = options.get("python")
+    if isinstance(python, str) and os.sep in python and not os.path.isabs(python):
+        options["python"] = os.path.normpath(Path(folder) / python)
 
 
 def _resolve_data_paths(data: dict, folder: Path) -> None:

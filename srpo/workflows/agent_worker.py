@@ -117,6 +117,20 @@ def _run(program, loop: asyncio.AbstractEventLoop, task, base_url: str):
     return program(task, base_url)
 
 
+def _portable(result):
+    """The program's result as the trainer can read it: None, a str, an int, a float or a bool as
+    themselves (subclasses as the base type); anything else as its type's name only.  The trainer
+    unpickles what is sent, and it lacks the program's modules (its own dataclass, CrewAI's
+    result): the object itself would fail there, costing the worker, instead of the intended
+    "return the answer (str) or a reward (float)"."""
+    for kind in (bool, str, int, float):
+        if isinstance(result, kind):
+            return kind(result)
+    if result is None:
+        return None
+    return {"srpo_foreign_result": type(result).__name__}
+
+
 def main(fd: int) -> None:
     from multiprocessing.connection import Connection
 
@@ -143,8 +157,7 @@ def main(fd: int) -> None:
         elif message[0] == "run":
             _, task, base_url = message
             try:
-                result = _run(program, loop, task, base_url)
-                reply: tuple = ("ok", result)
+                reply: tuple = ("ok", _portable(_run(program, loop, task, base_url)))
             except BaseException as err:  # noqa: BLE001 — the program's failure is its episode's, reported
                 reply = ("raised", type(err).__name__, str(err), traceback.format_exc())
             try:

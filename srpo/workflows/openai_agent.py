@@ -179,8 +179,9 @@ class OpenAIAgent(Workflow):
                 raise WorkflowError(f"{self.entry} returned the reward {result}")
             ctx.reward = float(result)
             return ""
-        raise WorkflowError(f"{self.entry} returned a {type(result).__name__}; return the answer (str) "
-                            f"or a reward (float)")
+        kind = result["srpo_foreign_result"] if isinstance(result, dict) and "srpo_foreign_result" in result \
+            else type(result).__name__  # a worker process sends an object of the program's own by its type's name
+        raise WorkflowError(f"{self.entry} returned a {kind}; return the answer (str) or a reward (float)")
 
     async def _run_in_worker(self, gateway, backend, task):
         from srpo.workflows import agent_pool

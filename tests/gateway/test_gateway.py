@@ -399,6 +399,27 @@ def test_none_and_no_calls_are_counted():
         assert [r.info.get(counter) for r in results] == [1, 1]
 
 
+@pytest.mark.parametrize("isolation", ["process", "thread"])
+def test_a_program_that_returns_an_object_gets_the_same_message_in_a_worker_or_a_thread(isolation):
+    """An object of the program's own cannot cross to the trainer (its module is not there): it is
+    named by its type, the episode fails with srpo's message, and the worker lives on."""
+    from srpo.policies.scripted import ScriptedPolicies
+    from srpo.workflows.builtins import build_workflow
+    from srpo.workflows.runtime import Runtime
+
+    agent = build_workflow("openai_agent", entry=f"{TEAMS}:returns_an_object", roles=["solver"], isolation=isolation,
+                           max_workers=1)
+    runtime = Runtime(BuiltinEngine(ScriptedPolicies(_script, ["solver"])), agent.default_role_specs(), lambda t, a: 1.0)
+    results = runtime.run(agent, [(f"e{i}", TASKS[i]) for i in range(2)])
+    assert all(r.info.get("failed") for r in results) and runtime.failures["workflow"] == 2
+    message = runtime.first_traceback["workflow"]
+    assert "returns_an_object returned a TeamAnswer; return the answer (str) or a reward (float)" in message
+    assert "ModuleNotFoundError" not in message
+    if isolation == "process":
+        pool = agent._pool
+        assert len(pool._idle) == 1 and pool._idle[0].alive(), "the worker that sent the name is kept"
+
+
 def test_a_program_may_return_its_own_reward():
     from srpo.policies.scripted import ScriptedPolicies
     from srpo.workflows.builtins import build_workflow
@@ -432,6 +453,17 @@ def test_config_errors_name_the_option(tmp_path):
     with pytest.raises(ConfigError, match="workflow.options.python: .*isolation must be process"):
         config_from_dict(cfg({"entry": f"{TEAMS}:single", "roles": ["a"], "python": sys.executable,
                               "isolation": "thread"}))
+    # Both paths of a config file are relative to the file, not to where srpo is started.
+    from srpo.build import load_config
+
+    (tmp_path / "cfgs" / "env" / "bin").mkdir(parents=True)
+    (tmp_path / "cfgs" / "env" / "bin" / "python").symlink_to(sys.executable)
+    (tmp_path / "cfgs" / "team.py").write_text("def solve(task, url):\n    return ''\n")
+    (tmp_path / "cfgs" / "run.yaml").write_text(json.dumps({**cfg({"entry": "team.py:solve", "roles": ["a"],
+                                                                   "python": "env/bin/python"})}))
+    loaded = load_config(str(tmp_path / "cfgs" / "run.yaml"))
+    assert loaded.workflow.options["python"] == str(tmp_path / "cfgs" / "env" / "bin" / "python")
+    assert loaded.workflow.options["entry"] == f"{tmp_path / 'cfgs' / 'team.py'}:solve"
 
 
 # -- real clients, trained end to end -----------------------------------------------------------
