@@ -38,6 +38,15 @@ class EngineOutOfSync(RuntimeError):
     it would train on another policy's samples."""
 
 
+class EngineDied(RuntimeError):
+    """The engine's own process is gone (vLLM's engine core killed by the kernel, or crashed): no
+    episode can be sampled, so the run stops — every episode failing one by one would look like a
+    model that learned nothing.  ``fatal``: the runtime lets it through instead of counting it as
+    each episode's failure."""
+
+    fatal = True
+
+
 class RolloutEngine(Protocol):
     name: str
     #: True when the engine samples from the trainer's own parameters (so an FSDP run gathers them

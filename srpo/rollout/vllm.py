@@ -50,6 +50,8 @@ fraction of *system* memory vLLM reserves for its KV cache.
 
 from __future__ import annotations
 
+import contextlib
+
 import itertools
 import logging
 import os
@@ -269,6 +271,21 @@ def _sample(ids: list[int], text: str, logprobs, finish_reason, stop_reason) -> 
     return Sample(completion_ids=ids, text=text, logprobs=logps, finish_reason=reason)
 
 
+@contextlib.contextmanager
+def _engine_alive():
+    """vLLM's ``EngineDeadError`` (its engine-core process is gone) as srpo's
+    :class:`~srpo.rollout.engine.EngineDied`, naming the engine; other errors pass unchanged."""
+    from srpo.rollout.engine import EngineDied
+
+    try:
+        yield
+    except Exception as err:
+        if type(err).__name__ != "EngineDeadError":
+            raise
+        raise EngineDied(f"the vLLM engine's process died ({str(err).splitlines()[0] if str(err) else 'no message'}); "
+                         f"srpo does not restart it") from err
+
+
 class VLLMEngine:
     """vLLM's ``LLM`` over a model folder, speaking :class:`~srpo.policies.sampling.Sample`."""
 
@@ -332,10 +349,11 @@ class VLLMEngine:
                                    stop=list(p.stop) or None, include_stop_str_in_output=True, logprobs=0,
                                    seed=s) for p, s in zip(params, seeds)]
         lora = [self.loras[a] if a else None for a in adapters] if adapters else None
-        if any(p.on_token is not None for p in params):
-            return self._generate_streaming(prompts, params, sampling, lora)
-        outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompts], sampling,
-                                    lora_request=lora, use_tqdm=False)
+        with _engine_alive():
+            if any(p.on_token is not None for p in params):
+                return self._generate_streaming(prompts, params, sampling, lora)
+            outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompts], sampling,
+                                        lora_request=lora, use_tqdm=False)
         return [_sample(list(o.token_ids), o.text, o.logprobs, o.finish_reason, o.stop_reason)
                 for o in (out.outputs[0] for out in outputs)]
 

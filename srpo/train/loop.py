@@ -47,7 +47,7 @@ from srpo.events import validate_events
 from srpo.runs.fileio import write_text_atomic
 from srpo.methods import assign_advantages
 from srpo.policies.layouts import PolicySet
-from srpo.rollout.engine import EngineOutOfSync
+from srpo.rollout.engine import EngineDied, EngineOutOfSync
 from srpo.runs.run_dir import RunDirError, RunLock
 from srpo.train import memory, state
 from srpo.train.diagnostics import RolloutMismatch, episode_metrics, episode_record
@@ -291,10 +291,15 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         self.backend.check_ranks(self.cfg.run.collective_timeout_s)  # a lost rank is named here, not waited for
         t0 = time.perf_counter()
-        if self.overlap is None:
-            episodes = self.rollout(self.next_tasks())
-        else:
-            episodes = self.overlapped_rollout()
+        try:
+            episodes = self.rollout(self.next_tasks()) if self.overlap is None else self.overlapped_rollout()
+        except EngineDied as err:  # nothing can be sampled: stop, naming what is safe to resume from
+            from srpo.runs.checkpoint import candidates
+
+            newest = candidates(self.run_dir)
+            raise TrainingStopped(f"{err}, in the rollout of step {self.step + 1}; "
+                                  + (f"the newest checkpoint, {newest[0].name}, is intact: --resume starts a fresh "
+                                     f"engine on it" if newest else "no checkpoint was written yet")) from err
         t_rollout = time.perf_counter() - t0
         self.engine.release()  # rollout.sleep_during_update: the engine's memory is the update's until the sync
         staleness = [self.policies.version(m.policy_id) - m.policy_version

@@ -368,3 +368,26 @@ def test_a_terminal_that_goes_away_mid_run_ends_nothing(tmp_path):
     assert (run / "checkpoints" / "step_0000004").is_dir()
     assert len(metrics.read_text().splitlines()) == 4
     assert "the terminal behind" in (run / "srpo.log").read_text()
+
+
+def test_an_engine_whose_process_died_stops_the_run_naming_what_to_resume_from(tmp_path):
+    """An engine that reports its process gone (vLLM's EngineDeadError becomes EngineDied) stops
+    the run at the next rollout with one message — not one failed episode after another."""
+    from srpo.rollout.engine import EngineDied
+    from helpers.runs import tiny
+
+    trainer = Trainer(load_config(None, tiny(tmp_path / "run", ["run.steps=1"])), progress=False)
+    try:
+        trainer.fit()
+
+        def dead(*args, **kwargs):
+            raise EngineDied("the vLLM engine's process died (EngineCore exited); srpo does not restart it")
+
+        trainer.runtime.engine.generate = dead
+        trainer.cfg.run.steps = 2
+        with pytest.raises(TrainingStopped, match=r"process died .* in the rollout of step 2; the newest checkpoint, "
+                                                  r"step_0000001, is intact: --resume starts a fresh engine on it"):
+            trainer.fit()
+        assert trainer.step == 1 and not trainer.runtime.failures.get("workflow")
+    finally:
+        trainer.close()
