@@ -317,7 +317,8 @@ def test_a_program_that_fails_or_hangs_costs_its_episode_only(caplog):
     from srpo.workflows.runtime import Runtime
 
     for program, counter, options in [("raises_sometimes", "workflow_errors", {}),
-                                      ("sleeps", "program_timeouts", {"timeout_s": 1.0}),
+                                      # 5 s: room for a quick episode on a loaded machine; the hung one sleeps 30
+                                      ("sleeps", "program_timeouts", {"timeout_s": 5.0}),
                                       ("killed_on_one", "workflow_errors", {})]:  # SIGKILL mid-episode
         agent = build_workflow("openai_agent", entry=f"{TEAMS}:{program}", roles=["solver"], **options)
         runtime = Runtime(BuiltinEngine(ScriptedPolicies(_script, ["solver"])), agent.default_role_specs(), lambda t, a: 1.0)
