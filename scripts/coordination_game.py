@@ -186,10 +186,9 @@ def expected_success(hit: torch.Tensor, reward: str) -> float:
     return float((hit.prod(1) if reward == "joint" else hit.mean(1)).mean())
 
 
-def joint_kl(old: torch.Tensor, new: torch.Tensor, start: int) -> float:
-    """KL(π_old ‖ π_new) of the joint action (all K members' sequences), averaged over contexts.
+def member_sequence_kl(old: torch.Tensor, new: torch.Tensor, start: int) -> torch.Tensor:
+    """(C, K) KL(π_old ‖ π_new) of each member's whole sequence in each context.
 
-    Members are independent, so the joint KL is the sum of the members' sequence KLs; each is
     Σ_l E_{prev ~ π_old}[KL of the next-token distributions], the previous token's distribution
     propagated through π_old (the policy is Markov in the previous token).
     old, new: (C, K, L, V + 1, V) log-probabilities.
@@ -203,7 +202,13 @@ def joint_kl(old: torch.Tensor, new: torch.Tensor, start: int) -> float:
         total += (state * step_kl[:, :, pos]).sum(-1)
         nxt = torch.einsum("cku,ckuv->ckv", state, old[:, :, pos].exp())
         state = torch.cat([nxt, torch.zeros(C, K, 1)], dim=-1)
-    return float(total.sum(1).mean())
+    return total
+
+
+def joint_kl(old: torch.Tensor, new: torch.Tensor, start: int) -> float:
+    """KL(π_old ‖ π_new) of the joint action (all K members' sequences), averaged over contexts:
+    members are independent, so it is the sum of the members' sequence KLs."""
+    return float(member_sequence_kl(old, new, start).sum(1).mean())
 
 
 def run_one(spec: GameSpec, *, method: str, k: int, reward: str, policy: str, lr: float, seed: int) -> dict:

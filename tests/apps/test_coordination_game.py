@@ -100,3 +100,113 @@ def test_tost_needs_the_interval_inside_the_margin():
     wide = [0.05, -0.06, 0.04, -0.05, 0.03, -0.04]  # mean ~0, not significant, yet not equivalent
     assert stats.t_test_p(wide) > 0.5 and stats.tost(wide, 0.02) > 0.05
     assert stats.tost([0.1], 0.02) is None
+
+
+# -- Game II (scripts/coordination_game_ii.py) -------------------------------------------------------------
+
+_PATH_II = _PATH.with_name("coordination_game_ii.py")
+_spec_ii = importlib.util.spec_from_file_location("coordination_game_ii", _PATH_II)
+g2 = importlib.util.module_from_spec(_spec_ii)
+sys.modules["coordination_game_ii"] = g2
+_spec_ii.loader.exec_module(g2)
+
+_DECL_II = {"game": {k: v for k, v in SMALL.__dict__.items() if k != "updates"}, "updates": 3,
+            "match_shared_parameters": False}
+
+
+@pytest.mark.parametrize("method, reward", [("srpo_sqrt", "joint"), ("dr_mas", "decomposable"), ("gspo", "joint")])
+def test_a_game_ii_batch_is_study_l_run_by_run(method, reward):
+    """Runs at different rates trained together in one batch follow study (l)'s one-run path: the
+    same curves and joint KLs (float rounding apart) — each run's gradient is its own."""
+    cell = g2.Cell("targets", 2, reward, "per_member", method)
+    batch = g2.run_batch(_DECL_II, cell, [(0.1, 0), (0.2, 1)])
+    for r in batch:
+        ref = cg.run_one(SMALL, method=method, k=2, reward=reward, policy="per_member", lr=r["lr"], seed=r["seed"])
+        assert max(abs(a - b) for a, b in zip(ref["curve"], r["reward_curve"])) < 1e-5
+        assert r["joint_kl_mean"] == pytest.approx(ref["joint_kl_mean"], rel=1e-4)
+        assert r["gain"][0] == 0 and r["reward_curve"][-1] != r["reward_curve"][0]  # it learned something
+
+
+def test_game_ii_partition_is_srpos():
+    from srpo.events import Event, Member, _balanced_partition
+
+    g = torch.Generator().manual_seed(0)
+    for parts in (1, 2, 3):
+        ks = torch.randint(1, 6, (23,), generator=g).tolist()
+        events = [Event(f"e{i}", f"e{i}", "t", "t", "x", 0, k,
+                        [Member("r", "p", 0, [0, 0], [1, 1, 1], [1] * 3, [0.0] * 3) for _ in range(k)])
+                  for i, k in enumerate(ks)]
+        ours = g2.balanced_parts([5 * k for k in ks], parts)
+        assert [[events[i] for i in p] for p in ours] == _balanced_partition(events, parts)
+
+
+def test_modsum_success_and_mixed_calibration_are_exact():
+    spec = cg.GameSpec(contexts=3, length=1, init_scale=0.5)
+    layout = g2.Layout([3, 1, 2], group_size=2)
+    game = g2.Game(spec, layout, seed=0, condition="modsum")
+    net = cg.Policy(spec, 3, "per_member", torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        table = net.table(game.prior)
+    log_s, _ = g2.log_success(table, game, layout, spec.vocab)
+    # Events (context, episode) in order, each its context's K rows: (1, 1) is row 7, (0, 0) rows 0-2.
+    assert layout.rows_of(torch.tensor([3, 0, 4])).tolist() == [7, 0, 1, 2, 8, 9]
+    V = spec.vocab
+    for c, k in enumerate([3, 1, 2]):
+        q = table[c, :k, 0, V].exp()
+        exact = sum(math.prod(float(q[j, a[j]]) for j in range(k))
+                    for a in itertools.product(range(V), repeat=k) if sum(a) % V == int(game.keys[c]))
+        assert math.exp(float(log_s[c])) == pytest.approx(exact, rel=1e-5)
+    # A mixed layout: each context's joint success starts near start_success whatever its K.
+    spec = cg.GameSpec(contexts=64)
+    ks = [1, 2, 4, 8] * 16
+    layout = g2.Layout(ks, group_size=2)
+    game = g2.Game(spec, layout, seed=1, condition="mixed")
+    net = cg.Policy(spec, 8, "per_member", torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        log_s, _ = g2.log_success(net.table(game.prior), game, layout, spec.vocab)
+    for k in (1, 2, 4, 8):
+        assert abs(float(log_s[torch.tensor(ks) == k].exp().mean()) - spec.start_success) < 0.06
+
+
+def test_game_ii_study_runs_resumes_and_reports(tmp_path):
+    decl = {**_DECL_II, "updates": 2, "output_dir": str(tmp_path / "out"), "lr_grid": [0.05, 0.1],
+            "tuning_seeds": [100], "seeds": [0, 1, 2], "comparisons": [], "mixed_k": [1, 2, 2, 1],
+            "conditions": {"targets": {"k": [2], "rewards": ["joint", "decomposable"], "policies": ["shared"],
+                                       "methods": ["grpo", "srpo_sqrt", "oracle"]},
+                           "mixed": {"k": [2], "rewards": ["joint"], "policies": ["per_member"],
+                                     "methods": ["srpo_sum", "srpo_sqrt"]},
+                           "modsum": {"k": [2], "rewards": ["joint"], "policies": ["shared"],
+                                      "methods": ["grpo", "srpo_sqrt"]}}}
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(decl))
+    assert g2.main(["run", "--study", str(path), "--shard", "1/2"]) == 0
+    assert g2.main(["run", "--study", str(path), "--shard", "2/2"]) == 0
+    runs = g2.read_all(tmp_path / "out")
+    assert len(runs) == len(g2.cells(decl)) * (2 + 3)  # tuning grid x seeds, then the fresh seeds
+    shard = tmp_path / "out" / "runs.1of2.jsonl"
+    lines = shard.read_text().splitlines()
+    shard.write_text("\n".join(lines[:-2]) + "\n" + lines[-2][:40])  # a stop cut the last batch mid-line
+    assert g2.main(["run", "--study", str(path), "--shard", "1/2"]) == 0
+    assert len(g2.read_all(tmp_path / "out")) == len(runs)  # the cut batch ran again, nothing twice
+    assert g2.main(["report", "--study", str(path)]) == 0
+    result = json.loads((tmp_path / "out" / "results.json").read_text())
+    kinds = {c["kind"] for c in result["comparisons"]}
+    assert kinds == {"srpo_sqrt − method", "oracle − method", "(srpo_sqrt − method): joint − decomposable"}
+    assert all("p_t_holm" in c for c in result["comparisons"])
+    assert any("share_of_oracle" in c for c in result["cells"])
+
+
+def test_the_oracle_credits_each_members_own_hit_and_dr_mas_the_teams_reward():
+    from srpo.objective.advantages import group_advantages
+
+    layout = g2.Layout([2, 2], group_size=2)  # rows: (context, episode, member)
+    hits = torch.tensor([1.0, 0, 1, 1, 0, 0, 0, 1])
+    team = torch.tensor([0.0, 1, 0, 0])  # joint: both members hit
+    groups = layout.ctx * 2 + layout.mem  # (context, member)
+    oracle, _ = g2.advantages_of(g2.Cell("targets", 2, "joint", "per_member", "oracle"), layout, hits, team)
+    dr_mas, _ = g2.advantages_of(g2.Cell("targets", 2, "joint", "per_member", "dr_mas"), layout, hits, team)
+    sqrt, sizes = g2.advantages_of(g2.Cell("targets", 2, "joint", "per_member", "srpo_sqrt"), layout, hits, team)
+    assert torch.equal(oracle, group_advantages(hits.double(), groups).float())
+    assert torch.equal(dr_mas, group_advantages(team[layout.event].double(), groups).float())
+    assert torch.equal(sqrt, group_advantages(team.double(), torch.tensor([0, 0, 1, 1])).float())
+    assert sizes.tolist() == [2, 2, 2, 2]
