@@ -210,3 +210,12 @@ def test_the_oracle_credits_each_members_own_hit_and_dr_mas_the_teams_reward():
     assert torch.equal(dr_mas, group_advantages(team[layout.event].double(), groups).float())
     assert torch.equal(sqrt, group_advantages(team.double(), torch.tensor([0, 0, 1, 1])).float())
     assert sizes.tolist() == [2, 2, 2, 2]
+
+
+def test_the_committed_game_declarations_load():
+    root = _PATH.parents[1] / "configs" / "studies" / "controlled"
+    cg.load_declaration(root / "coordination_game.yaml")
+    decl = g2.load_declaration(root / "coordination_game_ii.yaml")
+    assert len(g2.cells(decl)) == 204  # the count the declaration's budget states
+    assert all(g2.layout_for(decl, c).kmax == c.k for c in g2.cells(decl))
+    assert {len(g2.shard_cells(decl, (i, 2))) for i in (1, 2)} == {102}
