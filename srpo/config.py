@@ -293,7 +293,7 @@ class TrainConfig(Section):
     reuse and with FSDP.  On a CPU it also fixes glibc's mmap threshold at 8 MiB so that freed
     activations return to the OS.  auto: on for run.device cpu — memory first: on the demo's team
     it keeps the peak at 0.61–0.63× (1.8× the floor of weights, gradients and moments, against
-    2.8–2.9× off) for 1.18–1.29× the step time in the latest runs (0.98× in an earlier session;
+    2.8–2.9× off) for 1.18–1.29× the step time in the latest runs (0.98× in an earlier one;
     benchmarks/bench_memory.py); on single-agent GRPO it costs the update 1.2–1.6× and is what
     keeps the peak at ≤ 0.75× TRL's (0.71–0.74× on, 0.89–0.93× off;
     benchmarks/bench_checkpointing_cost.py): set false where speed matters more than memory.  Off
