@@ -64,6 +64,7 @@ import torch
 
 from srpo.policies.sampling import Sample
 from srpo.rollout.engine import register_engine
+from srpo.rollout.vllm_watch import EngineCoreWatch
 
 log = logging.getLogger(__name__)
 
@@ -271,21 +272,6 @@ def _sample(ids: list[int], text: str, logprobs, finish_reason, stop_reason) -> 
     return Sample(completion_ids=ids, text=text, logprobs=logps, finish_reason=reason)
 
 
-@contextlib.contextmanager
-def _engine_alive():
-    """vLLM's ``EngineDeadError`` (its engine-core process is gone) as srpo's
-    :class:`~srpo.rollout.engine.EngineDied`, naming the engine; other errors pass unchanged."""
-    from srpo.rollout.engine import EngineDied
-
-    try:
-        yield
-    except Exception as err:
-        if type(err).__name__ != "EngineDeadError":
-            raise
-        raise EngineDied(f"the vLLM engine's process died ({str(err).splitlines()[0] if str(err) else 'no message'}); "
-                         f"srpo does not restart it") from err
-
-
 class VLLMEngine:
     """vLLM's ``LLM`` over a model folder, speaking :class:`~srpo.policies.sampling.Sample`."""
 
@@ -326,12 +312,28 @@ class VLLMEngine:
                     os.environ.pop("CUDA_VISIBLE_DEVICES", None)
                 else:
                     os.environ["CUDA_VISIBLE_DEVICES"] = saved
+        self.watch = EngineCoreWatch(self.llm)  # a killed engine core ends the calls waiting on it
         self.dtype = getattr(torch, dtype)
         self.shm = Path(tempfile.mkdtemp(prefix=f"srpo-vllm-{os.getpid()}-",
                                          dir=staging_root(settings.bucket_bytes, largest_tensor_bytes)))
         self.loras: dict[str, object] = {}  # policy id → its current LoRARequest
         self.asleep = 0  # the sleep level the engine is in (0: awake)
         self.sync_stats = {"syncs": 0, "buckets": 0, "max_bucket_bytes": 0}
+
+    @contextlib.contextmanager
+    def _engine_alive(self):
+        """vLLM's ``EngineDeadError`` (its engine-core process is gone) as srpo's
+        :class:`~srpo.rollout.engine.EngineDied`, naming the process and how it ended; other errors
+        pass unchanged."""
+        from srpo.rollout.engine import EngineDied
+
+        try:
+            yield
+        except Exception as err:
+            if type(err).__name__ != "EngineDeadError":
+                raise
+            cause = self.watch.cause_when_known() or (str(err).splitlines()[0] if str(err) else "no message")
+            raise EngineDied(f"the vLLM engine's process died ({cause}); srpo does not restart it") from err
 
     # ------------------------------------------------------------------------------ sampling
     def generate(self, prompts: list[list[int]], params: list, generator: torch.Generator | None = None,
@@ -349,7 +351,7 @@ class VLLMEngine:
                                    stop=list(p.stop) or None, include_stop_str_in_output=True, logprobs=0,
                                    seed=s) for p, s in zip(params, seeds)]
         lora = [self.loras[a] if a else None for a in adapters] if adapters else None
-        with _engine_alive():
+        with self._engine_alive():
             if any(p.on_token is not None for p in params):
                 return self._generate_streaming(prompts, params, sampling, lora)
             outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompts], sampling,
@@ -400,20 +402,21 @@ class VLLMEngine:
 
         if isinstance(weights, torch.nn.Module):
             weights = engine_weights(weights, self.dtype)
-        self.llm.collective_rpc("srpo_begin_sync")
-        path = self.shm / "bucket.safetensors"
-        for group in buckets(weights, self.settings.bucket_bytes):
-            tensors = {k: v.detach().to("cpu").contiguous() for k, v in group.items()}
-            try:
-                save_file(tensors, str(path))
-            except OSError as err:  # /dev/shm full after all (other jobs share it): stage on disk
-                path = self._stage_on_disk(path, err)
-                save_file(tensors, str(path))
-            self.sync_stats["max_bucket_bytes"] = max(self.sync_stats["max_bucket_bytes"], path.stat().st_size)
-            self.sync_stats["buckets"] += 1
-            self.llm.collective_rpc("srpo_load_bucket", args=(str(path),))
-            path.unlink(missing_ok=True)
-        self.llm.collective_rpc("srpo_finish_sync")
+        with self._engine_alive():  # a core killed mid-sync ends the RPC waiting on it
+            self.llm.collective_rpc("srpo_begin_sync")
+            path = self.shm / "bucket.safetensors"
+            for group in buckets(weights, self.settings.bucket_bytes):
+                tensors = {k: v.detach().to("cpu").contiguous() for k, v in group.items()}
+                try:
+                    save_file(tensors, str(path))
+                except OSError as err:  # /dev/shm full after all (other jobs share it): stage on disk
+                    path = self._stage_on_disk(path, err)
+                    save_file(tensors, str(path))
+                self.sync_stats["max_bucket_bytes"] = max(self.sync_stats["max_bucket_bytes"], path.stat().st_size)
+                self.sync_stats["buckets"] += 1
+                self.llm.collective_rpc("srpo_load_bucket", args=(str(path),))
+                path.unlink(missing_ok=True)
+            self.llm.collective_rpc("srpo_finish_sync")
         self.sync_stats["syncs"] += 1
         self.reset_prefix_cache()
 
@@ -475,6 +478,7 @@ class VLLMEngine:
             shutil.rmtree(old.lora_path, ignore_errors=True)
 
     def close(self) -> None:
+        self.watch.close()  # what follows ends the core process on purpose
         shutil.rmtree(self.shm, ignore_errors=True)
         try:
             self.llm.llm_engine.engine_core.shutdown()

@@ -348,7 +348,7 @@ class Trainer:
         try:
             self.engine.update_weights()
             problem = None
-        except EngineOutOfSync as err:
+        except (EngineOutOfSync, EngineDied) as err:  # the trainer's weights are sound either way: saved, then stop
             problem = str(err)
         if getattr(self.engine, "sync_metrics", None):  # probed this sync: on every rank alike
             if self.backend.sum_int(int(problem is not None)) and problem is None:

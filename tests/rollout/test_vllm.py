@@ -7,7 +7,9 @@ both.  The engine starts in a spawned process (~30 s on CPU): the tests that nee
 their own share one (``shared_engine``).
 """
 
+import faulthandler
 import os
+import signal
 
 import pytest
 import torch
@@ -20,7 +22,7 @@ from srpo.policies.layouts import build_policies
 from srpo.policies.sampling import GenerationRequest  # noqa: E402
 from srpo.policies.sampling import SamplingParams  # noqa: E402
 from srpo.rollout.vllm import EngineSettings, VLLMRollout  # noqa: E402
-from srpo.train import Trainer  # noqa: E402
+from srpo.train import Trainer, TrainingStopped  # noqa: E402
 
 pytestmark = pytest.mark.slow
 # A fixed 1 GiB KV cache: vLLM's CPU budget from a fraction of system memory fails when other
@@ -93,8 +95,34 @@ def test_a_team_trains_a_step_on_the_vllm_engine(tmp_path):
         assert metrics["mismatch/mean_abs"] < TOL and metrics["objective/tis/weight_mean"] == pytest.approx(1, abs=0.05)
         assert any(not torch.equal(a, b) for a, b in zip(before, trainer.policies.parameters("shared")))
         assert 0 <= metrics["eval/arith-heldout/avg@2"] <= 1  # held-out evaluation ran on the engine
+        _kill_engine_cores_mid_call(trainer)  # as the kernel's OOM killer would, while a generate waits on it
+        trainer.cfg.run.steps = 2
+        faulthandler.dump_traceback_later(300, exit=True)  # a hang fails the suite loudly, never stalls CI
+        try:
+            with pytest.raises(TrainingStopped, match=r"engine's process died \(EngineCore\S* \(pid \d+\) killed by "
+                                                      r"SIGKILL\).* rollout of step 2; the newest checkpoint, step_0000001"):
+                trainer.fit()
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+        assert trainer.step == 1 and not trainer.runtime.failures.get("workflow")
     finally:
         trainer.close()
+
+
+def _kill_engine_cores_mid_call(trainer) -> None:
+    """The next time a call waits on an engine's output (a request is in flight), SIGKILL that
+    engine's core process first — vLLM's own client would then wait forever (srpo's watch wakes it)."""
+    for engine in trainer.engine.engines.values():
+        client = engine.llm.llm_engine.engine_core
+        real = client.get_output
+
+        def kill_then_wait(client=client, real=real):
+            client.get_output = real
+            for proc in client.resources.engine_manager.processes:
+                os.kill(proc.pid, signal.SIGKILL)
+            return real()
+
+        client.get_output = kill_then_wait
 
 
 @pytest.mark.torchrun

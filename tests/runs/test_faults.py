@@ -391,3 +391,21 @@ def test_an_engine_whose_process_died_stops_the_run_naming_what_to_resume_from(t
         assert trainer.step == 1 and not trainer.runtime.failures.get("workflow")
     finally:
         trainer.close()
+
+
+def test_an_engine_that_dies_during_the_weight_sync_stops_the_run_with_the_trainers_weights_saved(tmp_path):
+    from srpo.rollout.engine import EngineDied
+    from helpers.runs import tiny
+
+    trainer = Trainer(load_config(None, tiny(tmp_path / "run", ["run.steps=2", "checkpoint.every=0"])), progress=False)
+    try:
+        def dead():
+            raise EngineDied("the vLLM engine's process died (EngineCore_DP0 (pid 1) killed by SIGKILL)")
+
+        trainer.engine.update_weights = dead
+        with pytest.raises(TrainingStopped, match=r"killed by SIGKILL\) \(after step 1; the trainer's weights are in "
+                                                  r".*step_0000001, and --resume starts a fresh engine on them\)"):
+            trainer.fit()
+        assert (tmp_path / "run" / "checkpoints" / "step_0000001").is_dir()
+    finally:
+        trainer.close()
