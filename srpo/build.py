@@ -116,7 +116,8 @@ def role_specs(cfg: Config, workflow_) -> dict[str, RoleSpec]:
             stop=tuple(o.stop) if o.stop is not None else sampling.stop,
         )
         specs[role] = replace(spec, system=o.system if o.system is not None else spec.system,
-                              template=o.template if o.template is not None else spec.template, sampling=sampling)
+                              template=o.template if o.template is not None else spec.template, sampling=sampling,
+                              tool_parser=o.tool_parser, reasoning_parser=o.reasoning_parser)
     return specs
 
 
@@ -214,6 +215,7 @@ def _resolve_in(path: str, name: str, registry) -> None:
 
 def _check_registered(cfg: Config):
     """Names that extensions can add to, against their registries; returns the task kind."""
+    from srpo.gateway.parsers import REASONING_PARSERS, TOOL_PARSERS
     from srpo.methods import METHODS
     from srpo.objective import LOSSES
     from srpo.parallel import BACKENDS
@@ -229,6 +231,11 @@ def _check_registered(cfg: Config):
     for tracker in cfg.log.backends:
         _resolve_in("log.backends", tracker, TRACKERS)
     _resolve_in("task.kind", cfg.task.kind, TASK_KINDS)
+    for role, o in cfg.workflow.roles.items():
+        if o.tool_parser is not None:
+            _resolve_in(f"workflow.roles.{role}.tool_parser", o.tool_parser, TOOL_PARSERS)
+        if o.reasoning_parser is not None:
+            _resolve_in(f"workflow.roles.{role}.reasoning_parser", o.reasoning_parser, REASONING_PARSERS)
     _resolve_in("method.name", cfg.method.name, METHODS)
     if cfg.method.loss:
         _resolve_in("method.loss", cfg.method.loss, LOSSES)

@@ -147,6 +147,14 @@ class RoleOverride(Section):
     """This role's generation budget (None: workflow.max_new_tokens, or the workflow's own cap)."""
     stop: list[str] | None = None
     """Strings that end this role's generation (None: the workflow's default stops)."""
+    tool_parser: str | None = None
+    """How this role's replies are read for tool calls through the gateway: a registered tool parser
+    (hermes, llama3, mistral; ``srpo.gateway.parsers.TOOL_PARSERS``) or an import path to a
+    ToolParser (None: the parser of the model's chat template)."""
+    reasoning_parser: str | None = None
+    """Split this role's thinking from its answer through the gateway: think (``<think>…</think>``;
+    ``srpo.gateway.parsers.REASONING_PARSERS``) or an import path to a ReasoningParser (None: no
+    split).  The thinking is returned as ``reasoning_content`` of a chat reply."""
 
 
 class WorkflowConfig(Section):

@@ -1,4 +1,5 @@
-"""Named, self-describing extension points: losses, methods, workflows, task kinds, rewards, fast decoders.
+"""Named, self-describing extension points: losses, methods, workflows, task kinds, fast decoders,
+engines, parallel backends, trackers, tool-call and reasoning parsers.
 
 Every registry maps a name to an object *and its metadata* (a loss's update unit, a workflow's
 option fields and whether it needs a retriever, ...), so nothing else has to keep a parallel
@@ -11,15 +12,20 @@ reward function) — so users extend srpo without forking it.
 
 The registries themselves live next to what they hold:
 
-=================  ============================================  ==========================
-registry           where                                         decorator / function
-=================  ============================================  ==========================
-``LOSSES``         :mod:`srpo.objective.losses`                  ``@register_loss(name, unit=)``
-``METHODS``        :mod:`srpo.methods`                           ``register_method(name, Method)``
-``WORKFLOWS``      :mod:`srpo.workflows.builtins`                ``@register_workflow``
-``TASK_KINDS``     :mod:`srpo.tasks.kinds`                       ``register_task_kind(TaskKind)``
-``FAST_DECODERS``  :mod:`srpo.policies.fast_decode`              ``@register_fast_decoder(model_type)``
-=================  ============================================  ==========================
+=====================  ==========================================  ==========================================
+registry               where                                       decorator / function
+=====================  ==========================================  ==========================================
+``LOSSES``             :mod:`srpo.objective.losses`                ``@register_loss(name, unit=)``
+``METHODS``            :mod:`srpo.methods`                         ``register_method(name, Method)``
+``WORKFLOWS``          :mod:`srpo.workflows.builtins`              ``@register_workflow``
+``TASK_KINDS``         :mod:`srpo.tasks.kinds`                     ``register_task_kind(TaskKind)``
+``FAST_DECODERS``      :mod:`srpo.policies.fast_decode`            ``@register_fast_decoder(model_type)``
+``ENGINES``            :mod:`srpo.rollout.engine`                  ``@register_engine(name, **capabilities)``
+``BACKENDS``           :mod:`srpo.parallel.base`                   ``@register_backend(name, **capabilities)``
+``TRACKERS``           :mod:`srpo.runs.trackers`                   ``@register_tracker(name)``
+``TOOL_PARSERS``       :mod:`srpo.gateway.parsers`                 ``register_tool_parser(name, ToolParser)``
+``REASONING_PARSERS``  :mod:`srpo.gateway.parsers`                 ``register_reasoning_parser(name, ...)``
+=====================  ==========================================  ==========================================
 """
 
 from __future__ import annotations

@@ -27,6 +27,8 @@ class RoleSpec:
     system: str = ""
     template: str = "{input}"
     sampling: SamplingParams = SamplingParams()
+    tool_parser: str | None = None  # through the gateway: None reads tool calls as the chat template writes them
+    reasoning_parser: str | None = None  # through the gateway: None leaves thinking in the content
 
 
 @dataclass

@@ -31,6 +31,7 @@ import torch
 from srpo.events import Member
 from srpo.gateway.dataflow import EpisodeRecorder
 from srpo.gateway import tools
+from srpo.gateway.parsers import REASONING_PARSERS
 from srpo.gateway.protocol import FINISH_REASONS, Choice, CompletionRequest, ProtocolError
 from srpo.policies.sampling import GenerationRequest
 from srpo.policies.sampling import Sample, SamplingParams
@@ -41,36 +42,38 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Rendered:
-    """A request's prompt: its token ids, the tool-call format of the model, and the start of a
-    tool call written for the model (tool_choice required or named; '' otherwise)."""
+    """A request's prompt: its token ids, the tool parser its reply is read with (a name in
+    :data:`~srpo.gateway.parsers.TOOL_PARSERS`), and the start of a tool call written for the model
+    (tool_choice required or named; '' otherwise)."""
 
     ids: list[int]
     tool_format: str
     forced: str = ""
 
 
-def render(tokenizer, req: CompletionRequest) -> Rendered:
+def render(tokenizer, req: CompletionRequest, tool_parser: str | None = None) -> Rendered:
     """The prompt's token ids: the messages through the tokenizer's chat template — with ``tools``
     where the template renders them, else in srpo's generic tool format (:mod:`srpo.gateway.tools`)
     — or the completion prompt as it is.  A model without a chat template gets the messages'
-    contents, one paragraph each."""
+    contents, one paragraph each.  ``tool_parser``: the role's own (None: the template's family)."""
     template = getattr(tokenizer, "chat_template", None)
     fmt = tools.tool_format(template)
+    parser = tool_parser or fmt
     if not req.chat:
-        return Rendered(tokenizer(req.prompt, add_special_tokens=True)["input_ids"], fmt)
+        return Rendered(tokenizer(req.prompt, add_special_tokens=True)["input_ids"], parser)
     offered = req.tools if req.tool_choice != "none" else None
     messages, tools_arg = req.messages, offered
     if fmt == "generic":  # the template knows no tools (nor tool messages): rewrite the messages
         messages, tools_arg = tools.with_generic_tools(req.messages, offered), None
-    forced = tools.forced_prefix(fmt, req.tool_choice) if offered else ""
+    forced = tools.forced_prefix(parser, req.tool_choice) if offered else ""
     if not template:
         text = "".join(f"{m['content']}\n\n" for m in messages) + forced
-        return Rendered(tokenizer(text, add_special_tokens=True)["input_ids"], fmt, forced)
+        return Rendered(tokenizer(text, add_special_tokens=True)["input_ids"], parser, forced)
     try:
         text = tokenizer.apply_chat_template(messages, tools=tools_arg, tokenize=False, add_generation_prompt=True)
     except Exception as err:  # a template that refuses a message shape (e.g. no system role)
         raise ProtocolError(f"'messages': the model's chat template refused them ({err})", param="messages") from None
-    return Rendered(tokenizer(text + forced, add_special_tokens=False)["input_ids"], fmt, forced)
+    return Rendered(tokenizer(text + forced, add_special_tokens=False)["input_ids"], parser, forced)
 
 
 def sampling(req: CompletionRequest, spec: RoleSpec, cap: int | None = None) -> SamplingParams:
@@ -100,23 +103,28 @@ def context_length(policies) -> int | None:
 
 
 def choice(sample: Sample, params: SamplingParams, req: CompletionRequest, rendered: Rendered,
-           tokenizer=None) -> Choice:
-    """An OpenAI choice from a sample: the stop string that ended it removed, as OpenAI does, and
-    tool calls parsed when the request offered tools (the forced start of a call included)."""
-    text = sample.text
-    found = [i for i in (text.find(stop) for stop in params.stop if stop) if i >= 0]
+           tokenizer=None, reasoning_parser: str | None = None) -> Choice:
+    """An OpenAI choice from a sample: the stop string that ended it removed, as OpenAI does, the
+    thinking split off by the role's ``reasoning_parser`` (if any), and tool calls parsed when the
+    request offered tools (the forced start of a call included)."""
+    text, matched = sample.text, None
+    found = sorted((i, stop) for stop in params.stop if stop for i in [text.find(stop)] if i >= 0)
     if sample.finish_reason == "stop" and found:  # cut at the first stop string, and what came with it in
-        text = text[: min(found)]                  # its token ("\n\n" under stop=["\n"])
+        text, matched = text[: found[0][0]], found[0][1]  # its token ("\n\n" under stop=["\n"])
     else:
         for stop in params.stop:
             if sample.finish_reason == "eos" and stop and text.endswith(stop):
-                text = text[: -len(stop)]
+                text, matched = text[: -len(stop)], stop
                 break
+    reasoning = None
+    if reasoning_parser is not None:
+        reasoning, text = REASONING_PARSERS[reasoning_parser].split(text)
     calls: list[dict[str, Any]] = []
     if req.tools and req.tool_choice != "none":
         text, calls = tools.parse_tool_calls(rendered.forced + text, rendered.tool_format, tokenizer)
     finish = "tool_calls" if calls else FINISH_REASONS.get(sample.finish_reason, "stop")
-    return Choice(text=text, finish_reason=finish, completion_tokens=len(sample.completion_ids), tool_calls=calls)
+    return Choice(text=text, finish_reason=finish, completion_tokens=len(sample.completion_ids), tool_calls=calls,
+                  stop_sequence=matched, reasoning=reasoning or None)
 
 
 def _requests(req: CompletionRequest, ids: list[int], params: SamplingParams, on_token) -> list[GenerationRequest]:
@@ -145,6 +153,9 @@ class EpisodeBackend:
     def tokenizer(self):
         return self.ctx.runtime.policies.tokenizer
 
+    def role_spec(self, role: str) -> RoleSpec:
+        return self.ctx.runtime.role_spec(role)
+
     async def complete(self, req: CompletionRequest, on_token=None) -> tuple[list[Choice], int]:
         """Called on the server's loop; the work runs on the runtime's.  ``on_token(choice index,
         token id)`` is called as each token is drawn, in the sampling thread."""
@@ -155,7 +166,7 @@ class EpisodeBackend:
         ctx, runtime = self.ctx, self.ctx.runtime
         spec = runtime.role_spec(req.model)
         tokenizer = runtime.policies.tokenizer
-        rendered = render(tokenizer, req)
+        rendered = render(tokenizer, req, spec.tool_parser)
         ids = rendered.ids
         if len(ids) > runtime.max_prompt_tokens:
             ctx.count("prompt_too_long")
@@ -169,7 +180,7 @@ class EpisodeBackend:
         pid = policies.policy_of(req.model)
         choices = []
         for s in samples:
-            c = choice(s, params, req, rendered, tokenizer)
+            c = choice(s, params, req, rendered, tokenizer, spec.reasoning_parser)
             member = Member(role=req.model, policy_id=pid, policy_version=policies.version(pid), prompt_ids=ids,
                             completion_ids=s.completion_ids, action_mask=[1] * len(s.completion_ids),
                             behaviour_logprobs=s.logprobs, text=s.text, truncated=s.truncated,
@@ -229,6 +240,9 @@ class ServeBackend:
     def tokenizer(self):
         return self.policies.tokenizer
 
+    def role_spec(self, role: str) -> RoleSpec:
+        return self.role_specs[role]
+
     @property
     def waiting(self) -> int:
         """Generations queued or running now."""
@@ -260,7 +274,8 @@ class ServeBackend:
                                 f"can hold (at most {self.max_prompt_tokens} tokens are served)", param=where,
                                 code="context_length_exceeded")
         tokenizer = self.policies.tokenizer
-        rendered = await loop.run_in_executor(self._tokenize, render, tokenizer, req)
+        spec = self.role_spec(req.model)
+        rendered = await loop.run_in_executor(self._tokenize, render, tokenizer, req, spec.tool_parser)
         ids = rendered.ids
         if len(ids) > self.max_prompt_tokens:
             raise ProtocolError(f"the prompt has {len(ids)} tokens; at most {self.max_prompt_tokens} are served",
@@ -276,7 +291,7 @@ class ServeBackend:
                    f"the model's context of {self.context} tokens leaves {cap} after the {len(ids)}-token prompt")
             raise ProtocolError(f"max_tokens is {req.max_tokens}; this server generates at most {cap} here ({why})",
                                 param="max_tokens", code="context_length_exceeded" if not self.max_tokens else None)
-        params = sampling(req, self.role_specs[req.model], cap if cap is not None else 1 << 30)
+        params = sampling(req, spec, cap if cap is not None else 1 << 30)
         self._refuse_when_busy(req.n)  # again: tokenising took time, others may have queued
         futures = []
         for request in _requests(req, ids, params, on_token):
@@ -293,7 +308,7 @@ class ServeBackend:
                 fut.cancel()
             raise
         self.stats["served"] += 1
-        return [choice(s, params, req, rendered, tokenizer) for s in samples], len(ids)
+        return [choice(s, params, req, rendered, tokenizer, spec.reasoning_parser) for s in samples], len(ids)
 
     def _generate(self, requests: list[GenerationRequest]) -> list[Sample]:
         with torch.no_grad(), self.autocast:

@@ -47,6 +47,7 @@ class CompletionRequest:
     tool_choice: str = "auto"  # none | auto | required | a function's name (srpo.gateway.tools.tool_choice)
     event_tag: str | None = None  # x-srpo-event header or extra_body srpo_event: the set this output joins
     responses: dict[str, Any] | None = None  # a /v1/responses request: what its response echoes
+    anthropic: bool = False  # a /v1/messages request (Anthropic's Messages API)
 
     @property
     def chat(self) -> bool:
@@ -73,6 +74,8 @@ class Choice:
     finish_reason: str  # stop | length | tool_calls
     completion_tokens: int
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    stop_sequence: str | None = None  # the stop string that ended it (removed from ``text``), if one did
+    reasoning: str | None = None  # the thinking a role's reasoning parser split off (not in ``text``)
 
 
 def _number(body: dict, name: str, low: float, high: float, *, low_open: bool = False) -> float | None:
@@ -224,6 +227,7 @@ def response(req: CompletionRequest, choices: list[Choice], prompt_tokens: int) 
                 "model": req.model, "system_fingerprint": None, "usage": _usage(prompt_tokens, choices),
                 "choices": [{"index": i, "logprobs": None, "finish_reason": c.finish_reason,
                              "message": {"role": "assistant", "content": c.text if c.text or not c.tool_calls else None,
+                                         **({"reasoning_content": c.reasoning} if c.reasoning else {}),
                                          **({"tool_calls": c.tool_calls} if c.tool_calls else {})}}
                             for i, c in enumerate(choices)]}
     return {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": created,
@@ -240,6 +244,8 @@ def stream_events(req: CompletionRequest, choices: list[Choice]) -> list[str]:
     for i, c in enumerate(choices):
         if req.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": c.text}
+            if c.reasoning:
+                delta["reasoning_content"] = c.reasoning
             if c.tool_calls:
                 delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(c.tool_calls)]
             chunks = [{"index": i, "delta": delta, "finish_reason": None},

@@ -1,4 +1,5 @@
-"""The HTTP endpoint: OpenAI's chat-completions, completions, responses and models routes on 127.0.0.1.
+"""The HTTP endpoint: OpenAI's chat-completions, completions, responses and models routes, and
+Anthropic's messages route, on 127.0.0.1.
 
 Training: each episode gets its own unguessable base URL, ``http://127.0.0.1:<port>/e/<token>/v1``
 (``token``: 128 random bits), opened when the episode starts and closed when it ends — a stray
@@ -7,8 +8,9 @@ process, or an episode's program still running after its time, cannot write into
 
 The server (Starlette under uvicorn) runs on its own event loop: in a daemon thread while srpo
 trains (:class:`Gateway`), in the main thread for ``srpo serve`` (:func:`serve_forever`).
-Responses and errors are OpenAI-shaped (:mod:`srpo.gateway.protocol`); an internal failure is a
-500 with a one-line message, never a traceback on the wire (it goes to the log).
+Responses and errors are OpenAI-shaped (:mod:`srpo.gateway.protocol`), or Anthropic-shaped on
+``/v1/messages`` (:mod:`srpo.gateway.anthropic`); an internal failure is a 500 with a one-line
+message, never a traceback on the wire (it goes to the log).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import traceback
 from typing import Any
 
 from srpo.runs import serving
-from srpo.gateway import attribution, responses, streaming
+from srpo.gateway import anthropic, attribution, responses, streaming
 from srpo.gateway.protocol import ProtocolError, error_body, models_list, parse_request, response, stream_events
 from srpo.gateway.responses import parse_responses_request
 from srpo.runs.serving import ServeError
@@ -87,8 +89,16 @@ def build_app(resolve, *, serve_root: bool = False):
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
-    def error(status: int, message: str, *, param=None, code=None, kind="invalid_request_error"):
+    def error(status: int, message: str, *, param=None, code=None, kind="invalid_request_error", api="openai"):
+        if api == "messages":
+            return JSONResponse(serving.anthropic_error(status, message), status_code=status)
         return JSONResponse(error_body(message, param=param, code=code, kind=kind), status_code=status)
+
+    def refused(err: ProtocolError, api: str):
+        if api == "messages":
+            return JSONResponse(serving.anthropic_error(err.status, str(err)), status_code=err.status,
+                                headers=err.headers())
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
 
     def backend_of(request):
         token = request.path_params.get("token")
@@ -109,6 +119,8 @@ def build_app(resolve, *, serve_root: bool = False):
             headers = {k.lower(): v for k, v in request.headers.items()}
             if kind == "responses":
                 req = parse_responses_request(body, headers)
+            elif kind == "messages":
+                req = anthropic.parse_messages_request(body, headers)
             else:
                 req = parse_request(body, chat=kind == "chat", headers=headers)
             caller = headers.get(attribution.HEADER)
@@ -130,7 +142,8 @@ def build_app(resolve, *, serve_root: bool = False):
                     task.cancel()
                     raise
                 if first is not None:  # tokens are coming: stream them as they are drawn
-                    live = streaming.response_events if kind == "responses" else streaming.chat_chunks
+                    live = {"responses": streaming.response_events,
+                            "messages": streaming.message_stream}.get(kind, streaming.chat_chunks)
                     return StreamingResponse(live(req, first, queue, task, backend.tokenizer),
                                              media_type="text/event-stream")
                 choices, prompt_tokens = task.result()  # ended (or failed) before its first token
@@ -140,12 +153,18 @@ def build_app(resolve, *, serve_root: bool = False):
             log.info("a client disconnected before its reply; its generation was cancelled")
             return Response(status_code=499)
         except ProtocolError as err:
-            return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
+            return refused(err, kind)
         except asyncio.CancelledError:
-            return error(503, "the episode ended while this request waited", kind="server_error")
+            return error(503, "the episode ended while this request waited", kind="server_error", api=kind)
         except Exception:  # noqa: BLE001 — the log gets the traceback, the wire a generic line
             log.error("gateway request failed:\n%s", traceback.format_exc())
-            return error(500, "the server failed to answer this request (its log says why)", kind="server_error")
+            return error(500, "the server failed to answer this request (its log says why)", kind="server_error",
+                         api=kind)
+        if kind == "messages":
+            if req.stream:
+                return StreamingResponse(anthropic.message_events(req, choices[0], prompt_tokens),
+                                         media_type="text/event-stream")
+            return JSONResponse(anthropic.message_object(req, choices[0], prompt_tokens))
         if kind == "responses":
             if req.stream:
                 return StreamingResponse(responses.stream_events(req, choices[0], prompt_tokens),
@@ -164,6 +183,9 @@ def build_app(resolve, *, serve_root: bool = False):
     async def respond(request):
         return await completions(request, "responses")
 
+    async def messages(request):
+        return await completions(request, "messages")
+
     async def models(request):
         try:
             return JSONResponse(models_list(backend_of(request).roles))
@@ -177,11 +199,13 @@ def build_app(resolve, *, serve_root: bool = False):
     routes = [Route("/e/{token}/v1/chat/completions", chat, methods=["POST"]),
               Route("/e/{token}/v1/completions", text, methods=["POST"]),
               Route("/e/{token}/v1/responses", respond, methods=["POST"]),
+              Route("/e/{token}/v1/messages", messages, methods=["POST"]),
               Route("/e/{token}/v1/models", models, methods=["GET"])]
     if serve_root:
         routes += [Route("/v1/chat/completions", chat, methods=["POST"]),
                    Route("/v1/completions", text, methods=["POST"]),
                    Route("/v1/responses", respond, methods=["POST"]),
+                   Route("/v1/messages", messages, methods=["POST"]),
                    Route("/v1/models", models, methods=["GET"])]
     return Starlette(routes=routes, exception_handlers={HTTPException: not_found})
 

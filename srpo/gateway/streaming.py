@@ -1,9 +1,10 @@
 """Replies streamed as they are generated: token ids from the sampler become text deltas on the wire.
 
 The sampler calls ``SamplingParams.on_token`` with each token id as it is drawn (in its own
-thread); :func:`start` hands them to the server's event loop, and the three generators below turn
-them into each API's server-sent events — chat-completion chunks, completion chunks, or the
-Responses API's event sequence — ending with what the whole reply says (finish reason, usage).
+thread); :func:`start` hands them to the server's event loop, and the generators below turn them
+into each API's server-sent events — chat-completion chunks, completion chunks, the Responses
+API's event sequence, or Anthropic's Messages events — ending with what the whole reply says
+(finish reason, usage).
 
 Text leaves as soon as it is certain: an incomplete UTF-8 character is held until its last byte
 arrives, and with ``stop`` strings the last ``len(longest stop) - 1`` characters are held until
@@ -12,7 +13,7 @@ been sent).  The stream looks for the stop strings itself: the sampler reports e
 it checks for a stop, and one token may hold a stop string and more (``"\n\n"`` under
 ``stop=["\n"]``) — nothing from the first stop string on ever leaves.  Replies that offer tools are not streamed token by token: whether the text is a tool
 call is known only once it is parsed, so they leave whole when done (tool calls as OpenAI streams
-them).  Both engines report tokens one by one: srpo's sampler from its decode loop, vLLM from its
+them); so do replies of a role with a reasoning parser (the thinking is split off once it ends).  Both engines report tokens one by one: srpo's sampler from its decode loop, vLLM from its
 engine's step loop with delta outputs (:meth:`srpo.rollout.vllm.VLLMEngine.generate`); an engine
 that does not (a user's own) ends up with the whole reply in one delta at the end.
 """
@@ -27,7 +28,7 @@ import time
 import traceback
 from typing import Any, AsyncIterator
 
-from srpo.gateway import responses
+from srpo.gateway import anthropic, responses
 from srpo.gateway.protocol import Choice, CompletionRequest, error_body
 
 log = logging.getLogger(__name__)
@@ -87,8 +88,12 @@ class TokenText:
 
 
 def streams_tokens(req: CompletionRequest, backend) -> bool:
-    """Whether this request is streamed token by token (see the module doc)."""
-    return req.stream and getattr(backend, "streams", False) and not (req.tools and req.tool_choice != "none")
+    """Whether this request is streamed token by token (see the module doc): not when its reply
+    must be parsed first — tools offered, or a role whose thinking a reasoning parser splits off."""
+    if not (req.stream and getattr(backend, "streams", False)) or (req.tools and req.tool_choice != "none"):
+        return False
+    spec = backend.role_spec(req.model) if hasattr(backend, "role_spec") else None
+    return getattr(spec, "reasoning_parser", None) is None
 
 
 def start(backend, req: CompletionRequest):
@@ -235,3 +240,32 @@ async def response_events(req: CompletionRequest, first, queue, task, tokenizer)
     yield ev("response.output_item.done", output_index=0, item=item)
     final = responses.response_object(req, c, prompt_tokens, rid=rid, created=created, items=[item])
     yield ev("response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final)
+
+
+@_cancel_on_close
+async def message_stream(req: CompletionRequest, first, queue, task, tokenizer) -> AsyncIterator[str]:
+    """Anthropic's Messages event sequence as the reply is generated (one text block)."""
+    mid = f"msg_{secrets.token_hex(12)}"
+    text, opened = TokenText(tokenizer, req.stop or ()), False
+    started = anthropic.message_object(req, Choice("", "stop", 0), 0, mid=mid, started=True)
+    yield anthropic.event("message_start", message=started)
+    async for _, token_id in _tokens(first, queue):
+        if not opened:
+            opened = True
+            yield anthropic.event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+        piece = text.push(token_id)
+        if piece:
+            yield anthropic.event("content_block_delta", index=0, delta={"type": "text_delta", "text": piece})
+    result, error = await _result(task)
+    if error is not None:
+        yield anthropic.event("error", error={"type": "api_error", "message": error["error"]["message"]})
+        return
+    (c, *_), _ = result
+    if not opened:
+        yield anthropic.event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+    rest = text.finish(c.text)
+    if rest:
+        yield anthropic.event("content_block_delta", index=0, delta={"type": "text_delta", "text": rest})
+    yield anthropic.event("content_block_stop", index=0)
+    for e in anthropic.closing_events(req, c, 1):
+        yield e

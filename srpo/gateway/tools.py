@@ -18,7 +18,8 @@ shipped here as :data:`CHATML_TOOLS`).
 
 **Out of the reply.**  Calls are parsed by the tokenizer's own response parser when the model
 ships one (transformers' ``tokenizer.parse_response`` with the model's ``response_template``),
-else by the parser of the template's family: Hermes/Qwen ``<tool_call>`` JSON (one object or a
+else by a tool parser (:mod:`srpo.gateway.parsers`: the role's own, or the template's family):
+Hermes/Qwen ``<tool_call>`` JSON (one object or a
 list per block), Llama 3 JSON (``{"name", "parameters"}``, optionally after ``<|python_tag|>``),
 Mistral ``[TOOL_CALLS]`` (a JSON list, or ``name[ARGS]{...}``).  JSON is read with a real decoder,
 so a literal ``</tool_call>`` inside an argument string does not cut the call.  Text that does not
@@ -34,12 +35,11 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
 from typing import Any
 
 from srpo.gateway.errors import ProtocolError
+from srpo.gateway.parsers import TOOL_PARSERS, openai_call
 
-FORMATS = ("hermes", "llama3", "mistral", "generic")
 
 CHATML_TOOLS = (
     "{% set tool_block %}{% if tools %}You can call these tools (functions):\n<tools>"
@@ -150,17 +150,15 @@ def with_generic_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any
 
 def forced_prefix(fmt: str, choice: Any) -> str:
     """The start of a tool call written for the model (tool_choice ``required`` or a named
-    function); '' for ``auto``/``none``."""
+    function); '' for ``auto``/``none``.  ``fmt``: a tool parser's name (its ``start``)."""
     if choice in (None, "auto", "none"):
         return ""
     name = choice if isinstance(choice, str) and choice != "required" else None
-    if fmt in ("hermes", "generic"):
-        return '<tool_call>\n{"name": "' + (f'{name}", "arguments": ' if name else "")
-    if fmt == "llama3":
-        return '{"name": "' + (f'{name}", "parameters": ' if name else "")
-    if fmt == "mistral":
-        return '[TOOL_CALLS][{"name": "' + (f'{name}", "arguments": ' if name else "")
-    raise ProtocolError(f"'tool_choice': this model's tool-call format ({fmt}) cannot be forced", param="tool_choice")
+    start = TOOL_PARSERS[fmt].start
+    if start is None:
+        raise ProtocolError(f"'tool_choice': this model's tool-call format ({fmt}) cannot be forced",
+                            param="tool_choice")
+    return start(name)
 
 
 def tool_choice(value: Any, tools: list[dict[str, Any]] | None, *, flat: bool = False) -> Any:
@@ -187,117 +185,14 @@ def tool_choice(value: Any, tools: list[dict[str, Any]] | None, *, flat: bool = 
 
 
 # -- out of the reply -----------------------------------------------------------------------------
-_DECODER = json.JSONDecoder()
-
-
-def _openai_call(obj: Any) -> dict[str, Any] | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if args is None:
-        args = {}
-    return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
-            "function": {"name": obj["name"], "arguments": args if isinstance(args, str) else
-                         json.dumps(args, ensure_ascii=False)}}
-
-
-def _json_at(text: str, pos: int) -> tuple[Any, int] | None:
-    """The JSON value starting at ``pos`` (after whitespace) and the index after it, or None."""
-    while pos < len(text) and text[pos].isspace():
-        pos += 1
-    try:
-        return _DECODER.raw_decode(text, pos)
-    except json.JSONDecodeError:
-        return None
-
-
-def _calls_of(value: Any) -> list[dict[str, Any]] | None:
-    items = value if isinstance(value, list) else [value]
-    calls = [_openai_call(v) for v in items]
-    return calls if calls and all(c is not None for c in calls) else None
-
-
-def parse_hermes(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """``<tool_call>{json}</tool_call>`` blocks (a JSON object or a list of them each)."""
-    calls, kept, pos = [], [], 0
-    while True:
-        start = text.find("<tool_call>", pos)
-        if start < 0:
-            break
-        parsed = _json_at(text, start + len("<tool_call>"))
-        found = _calls_of(parsed[0]) if parsed else None
-        if found is None:  # malformed: stays in the text, and so does everything after it
-            break
-        end = parsed[1]
-        rest = text[end:]
-        closing = re.match(r"\s*</tool_call>", rest)
-        if closing:
-            end += closing.end()
-        elif "</tool_call>".startswith(rest.strip()):  # the closing tag cut off by the token budget
-            end = len(text)
-        else:  # no closing tag and more text: not a call the model finished
-            break
-        kept.append(text[pos:start])
-        calls.extend(found)
-        pos = end
-    kept.append(text[pos:])
-    return ("".join(kept).strip() if calls else text), calls
-
-
-def parse_llama3(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """The whole reply as JSON calls ``{"name", "parameters"}`` (``;``-separated), optionally after
-    ``<|python_tag|>``; anything else is content."""
-    body = text.strip()
-    if body.startswith("<|python_tag|>"):
-        body = body[len("<|python_tag|>"):]
-    calls, pos = [], 0
-    while True:
-        parsed = _json_at(body, pos)
-        found = _calls_of(parsed[0]) if parsed else None
-        if found is None:
-            return text, []
-        calls.extend(found)
-        pos = parsed[1]
-        rest = body[pos:].lstrip()
-        if not rest:
-            return "", calls
-        if rest[0] != ";":
-            return text, []
-        pos = len(body) - len(rest) + 1
-
-
-def parse_mistral(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """``[TOOL_CALLS] [{"name", "arguments"}, ...]`` or ``[TOOL_CALLS]name[ARGS]{...}`` (repeated)."""
-    start = text.find("[TOOL_CALLS]")
-    if start < 0:
-        return text, []
-    content, body = text[:start].strip(), text[start + len("[TOOL_CALLS]"):]
-    parsed = _json_at(body, 0)
-    if parsed is not None:
-        found = _calls_of(parsed[0])
-        if found is not None and not body[parsed[1]:].strip():
-            return content, found
-        return text, []
-    calls = []
-    for chunk in body.split("[TOOL_CALLS]"):
-        name, sep, args = chunk.partition("[ARGS]")
-        parsed = _json_at(args, 0) if sep else None
-        if parsed is None or not name.strip() or args[parsed[1]:].strip():
-            return text, []
-        calls.append(_openai_call({"name": name.strip(), "arguments": parsed[0]}))
-    return content, calls
-
-
-PARSERS = {"hermes": parse_hermes, "generic": parse_hermes, "llama3": parse_llama3, "mistral": parse_mistral}
-
-
 def parse_tool_calls(text: str, fmt: str, tokenizer=None, prompt_text: str | None = None) -> tuple[str, list[dict[str, Any]]]:
     """The reply's content and OpenAI-shaped ``tool_calls``.  The tokenizer's own response parser
-    first, when the model ships a ``response_template``; then the family's parser."""
+    first, when the model ships a ``response_template``; then the tool parser ``fmt`` (a name in
+    :data:`srpo.gateway.parsers.TOOL_PARSERS`: the template's family, or the role's own)."""
     if tokenizer is not None and getattr(tokenizer, "response_template", None) and hasattr(tokenizer, "parse_response"):
         try:
             parsed = tokenizer.parse_response(text, prefix=prompt_text)
-            calls = [_openai_call({"name": (c.get("function") or c).get("name"),
+            calls = [openai_call({"name": (c.get("function") or c).get("name"),
                                    "arguments": (c.get("function") or c).get("arguments", {})})
                      for c in parsed.get("tool_calls") or []]
             if calls and all(c is not None for c in calls):
@@ -306,7 +201,7 @@ def parse_tool_calls(text: str, fmt: str, tokenizer=None, prompt_text: str | Non
                 return text, []
         except Exception:  # noqa: BLE001 — a parser that trips over odd text: fall back to ours
             pass
-    return PARSERS.get(fmt, parse_hermes)(text)
+    return TOOL_PARSERS[fmt].parse(text)
 
 
 def check_response_format(value: Any, param: str = "response_format") -> None:

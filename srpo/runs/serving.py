@@ -111,29 +111,31 @@ class GuardMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
+        headers, path = dict(scope.get("headers") or []), scope.get("path", "")
         refusal = self._check_head(scope, headers)
         if refusal is not None:
-            return await _refuse(send, *refusal)
+            return await _refuse(send, *refusal, path=path)
         if scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
             return await self.app(scope, receive, send)
         try:
             body = await asyncio.wait_for(self._read_body(receive), self.guard.body_deadline_s)
         except asyncio.TimeoutError:
             log.info("a request body did not arrive within %.0f s; refused", self.guard.body_deadline_s)
-            return await _refuse(send, 408, f"the request body did not arrive within {self.guard.body_deadline_s:.0f} s")
+            return await _refuse(send, 408, f"the request body did not arrive within {self.guard.body_deadline_s:.0f} s",
+                                 path=path)
         except _TooLarge:
-            return await _refuse(send, 413, self._too_large())
+            return await _refuse(send, 413, self._too_large(), path=path)
         except _Gone:
             log.info("a client disconnected while sending its request")
             return None
         if json_depth(body) > MAX_JSON_DEPTH:
-            return await _refuse(send, 400, f"the request's JSON nests deeper than {MAX_JSON_DEPTH} levels")
+            return await _refuse(send, 400, f"the request's JSON nests deeper than {MAX_JSON_DEPTH} levels",
+                                 path=path)
         if self.guard.parse_json:
             try:
                 json.loads(body)
             except (ValueError, UnicodeDecodeError, RecursionError):
-                return await _refuse(send, 400, "the request body is not valid JSON")
+                return await _refuse(send, 400, "the request body is not valid JSON", path=path)
         return await self.app(scope, _replay(body, receive), send)
 
     def _too_large(self) -> str:
@@ -143,10 +145,11 @@ class GuardMiddleware:
         if self.guard.loopback_only and _host_of(headers) not in _LOOPBACK_HOSTS:
             return 403, "this server answers requests to localhost only (the Host header names another host)"
         if self._key:
-            given = headers.get(b"authorization", b"")
-            scheme, _, token = given.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
-                return 401, "a valid API key is required: Authorization: Bearer <key>"
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            bearer = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+            x_key = headers.get(b"x-api-key")  # how Anthropic's clients send theirs
+            if not bearer and not (x_key is not None and hmac.compare_digest(x_key.strip(), self._key)):
+                return 401, "a valid API key is required: Authorization: Bearer <key> (or x-api-key: <key>)"
         if scope["method"] == "POST":
             kind = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
             if kind != b"application/json":
@@ -195,9 +198,21 @@ def _replay(body: bytes, receive):
     return replay
 
 
-async def _refuse(send, status: int, message: str) -> None:
-    payload = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                    "code": None}}).encode()
+#: Anthropic's error type for each HTTP status a server answers with (``/v1/messages`` errors).
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
+                         415: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_error(status: int, message: str) -> dict:
+    """An error in the shape of Anthropic's API: ``{"type": "error", "error": {"type", "message"}}``."""
+    return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+async def _refuse(send, status: int, message: str, path: str = "") -> None:
+    body = anthropic_error(status, message) if path.endswith("/v1/messages") else {
+        "error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
+    payload = json.dumps(body).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
                (b"connection", b"close")]
     if status == 401:

@@ -36,7 +36,7 @@ def readme_package(tmp_path: Path, name: str = "mypkg") -> Path:
     put it on sys.path: the recipes are tested exactly as the page shows them."""
     text = (ROOT / "docs" / "extending.md").read_text()
     blocks = re.findall(r"```python\n# mypkg/(\w+\.py)\n(.*?)```", text, flags=re.S)
-    assert {f for f, _ in blocks} >= {"losses.py", "teams.py", "kinds.py", "decoders.py", "parts.py"}, \
+    assert {f for f, _ in blocks} >= {"losses.py", "teams.py", "kinds.py", "decoders.py", "parts.py", "parsers.py"}, \
         "a recipe left docs/extending.md"
     pkg = tmp_path / name
     pkg.mkdir()
@@ -49,6 +49,7 @@ def readme_package(tmp_path: Path, name: str = "mypkg") -> Path:
 
 def _forget(package: str) -> None:
     """Drop what a recipe package registered, so later tests see the built-in registries."""
+    from srpo.gateway.parsers import REASONING_PARSERS, TOOL_PARSERS
     from srpo.methods import METHODS
     from srpo.objective import LOSSES, LossInputs
     from srpo.parallel import BACKENDS
@@ -58,10 +59,14 @@ def _forget(package: str) -> None:
     from srpo.tasks.kinds import TASK_KINDS, TaskKind
     from srpo.workflows import WORKFLOWS
 
-    def origin(obj):  # a TaskKind instance reports its class's module; its functions tell where it was made
-        return obj.load_file.__module__ if isinstance(obj, TaskKind) else getattr(obj, "__module__", "")
+    def origin(obj):  # instances report their class's module; their functions tell where they were made
+        if isinstance(obj, TaskKind):
+            return obj.load_file.__module__
+        made = getattr(obj, "parse", None) or getattr(obj, "split", None)  # a tool or reasoning parser
+        return getattr(made, "__module__", "") if made is not None else getattr(obj, "__module__", "")
 
-    for registry in (LOSSES, METHODS, WORKFLOWS, TASK_KINDS, FAST_DECODERS, ENGINES, BACKENDS, TRACKERS):
+    for registry in (LOSSES, METHODS, WORKFLOWS, TASK_KINDS, FAST_DECODERS, ENGINES, BACKENDS, TRACKERS,
+                     TOOL_PARSERS, REASONING_PARSERS):
         for name, obj in list(registry._objects.items()):
             if name.startswith(package) or str(origin(obj)).startswith(package):
                 registry._objects.pop(name)
@@ -96,6 +101,54 @@ def test_recipe_a_loss_trains_by_import_path(mypkg, tmp_path):
     from srpo.objective import LossInputs, update_unit
 
     assert update_unit("set_pg") == "event"
+
+
+class _Scripted:
+    """A rollout engine that answers every request with one fixed text (tokenised as the model would)."""
+
+    def __init__(self, tokenizer, text):
+        self.tokenizer, self.text = tokenizer, text
+
+    def generate(self, requests, generator=None):
+        from srpo.policies.sampling import Sample
+
+        ids = self.tokenizer(self.text, add_special_tokens=False)["input_ids"]
+        return [Sample(ids, self.text, [0.0] * len(ids), "eos") for _ in requests]
+
+
+def test_recipe_a_tool_and_a_reasoning_parser_read_a_roles_replies(mypkg, tmp_path):
+    openai = pytest.importorskip("openai")
+    from srpo import build
+    from srpo.gateway.backends import ServeBackend
+    from srpo.gateway.server import Gateway
+
+    roles = f"workflow.roles={{solver: {{tool_parser: {mypkg}.parsers:PYTHONIC, reasoning_parser: nope}}}}"
+    with pytest.raises(ConfigError, match="workflow.roles.solver.reasoning_parser: unknown reasoning parser 'nope'; "
+                                          "valid: answer_line, think"):  # importing the tool parser registered both
+        load_config(None, tiny(tmp_path, roles))
+    cfg = load_config(None, tiny(tmp_path, roles.replace("nope", f"{mypkg}.parsers:ANSWER_LINE")))
+    specs = build.role_specs(cfg, build.workflow(cfg))
+    policies = build.policies(cfg, ["solver"])
+    reply = 'Reasoning: Paris is a city.\nAnswer: Let me check. [weather(city="Paris"), time(zone="CET")]'
+    backend = ServeBackend(_Scripted(policies.tokenizer, reply), policies, specs)
+    gw = Gateway()
+    try:
+        client = openai.OpenAI(base_url=gw.url(gw.open(backend)), api_key="x", max_retries=0)
+        tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+        message = client.chat.completions.create(model="solver", messages=[{"role": "user", "content": "Weather?"}],
+                                                 tools=[tool]).choices[0].message
+        assert message.content == "Let me check." and message.model_extra["reasoning_content"] == "Paris is a city."
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+            ("weather", {"city": "Paris"}), ("time", {"zone": "CET"})]
+        forced = client.chat.completions.create(model="solver", messages=[{"role": "user", "content": "?"}],
+                                                tools=[tool], tool_choice="required")
+        assert forced.choices[0].finish_reason == "tool_calls"  # the parser's start was written for the model
+        streamed = [c.choices[0].delta for c in client.chat.completions.create(
+            model="solver", messages=[{"role": "user", "content": "Weather?"}], stream=True)]
+        assert "".join(d.content or "" for d in streamed) == reply.partition("\nAnswer: ")[2]  # no tools: text
+    finally:
+        gw.stop()
+        backend.close()
 
 
 def test_recipe_a_workflow_trains_by_import_path(mypkg, tmp_path):

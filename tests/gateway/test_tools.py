@@ -296,3 +296,20 @@ def test_a_model_that_ships_a_response_parser_is_parsed_by_it():
 
     reply = '<tool_call>{"name": "g", "arguments": {}}</tool_call>'
     assert tools.parse_tool_calls(reply, "hermes", Broken())[1][0]["function"]["name"] == "g"  # ours, then
+
+
+@pytest.mark.parametrize("reply, reasoning, content", [
+    ("<think>\n2 + 3 is 5.\n</think>\n\nThe answer is 5.", "2 + 3 is 5.", "The answer is 5."),
+    ("2 + 3 is 5.</think>The answer is 5.", "2 + 3 is 5.", "The answer is 5."),  # <think> was in the prompt
+    ("<think>still thinking when the budget ran out", "still thinking when the budget ran out", ""),
+    ("No thinking at all.", "", "No thinking at all."),
+])
+def test_the_think_parser_splits_thinking_from_the_answer(reply, reasoning, content):
+    from srpo.gateway.backends import choice
+    from srpo.gateway.parsers import REASONING_PARSERS
+    from srpo.policies.sampling import Sample, SamplingParams
+
+    assert REASONING_PARSERS["think"].split(reply) == (reasoning, content)
+    plain = parse_request({"model": "solver", "messages": CONVERSATION}, chat=True)
+    c = choice(Sample([1], reply, [0.0], "eos"), SamplingParams(), plain, None, reasoning_parser="think")
+    assert (c.reasoning or "", c.text) == (reasoning, content)

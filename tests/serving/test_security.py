@@ -177,6 +177,13 @@ def test_the_api_key_content_type_and_host_are_checked(guarded):
     client = openai.OpenAI(base_url=url, api_key="sesame", max_retries=0)
     assert client.chat.completions.create(model="solver", messages=[{"role": "user", "content": "hi"}],
                                           max_tokens=4).choices[0].message.content
+    # Anthropic's clients send the key as x-api-key; a refusal on /v1/messages is Anthropic-shaped
+    anthropic = pytest.importorskip("anthropic")
+    claude = anthropic.Anthropic(base_url=url[: -len("/v1")], api_key="sesame", max_retries=0)
+    assert claude.messages.create(model="solver", max_tokens=4, messages=[{"role": "user", "content": "hi"}]).content
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=url[: -len("/v1")], api_key="sesamE", max_retries=0).messages.create(
+            model="solver", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
     # JSON sent as text/plain (what a web page's simple request may do) is refused
     plain = httpx.post(f"{url}/chat/completions", content=json.dumps(_chat()),
                        headers={**KEY, "Content-Type": "text/plain"})

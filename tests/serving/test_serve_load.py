@@ -136,11 +136,11 @@ def test_prompts_are_checked_before_and_tokenised_off_the_event_loop(served, mon
     real = backends.render
     tokenising, finish = threading.Event(), threading.Event()
 
-    def slow_render(tokenizer, req):
+    def slow_render(tokenizer, req, *rest):
         if "LONG" in req.messages[-1]["content"]:
             tokenising.set()
             assert finish.wait(120)  # tokenising until the test says it is done
-        return real(tokenizer, req)
+        return real(tokenizer, req, *rest)
 
     monkeypatch.setattr(backends, "render", slow_render)
     long = threading.Thread(target=lambda: httpx.post(f"{url}/chat/completions", json=_chat("LONG prompt"), timeout=120))

@@ -1,0 +1,220 @@
+"""Tool-call and reasoning parsers: registries, like every other part of srpo.
+
+A **tool-call parser** reads a model's reply into its content and OpenAI-shaped ``tool_calls``,
+and may say how a call starts (the text srpo writes for the model when ``tool_choice`` is
+``required`` or names a function).  A **reasoning parser** splits a reasoning model's thinking
+from its answer.  srpo registers parsers for the families it knows — tool calls: ``hermes``
+(Qwen, SmolLM2 and srpo's generic format), ``llama3``, ``mistral``; reasoning: ``think``
+(``<think>…</think>``, as Qwen3 and DeepSeek-R1 write it).  A family srpo does not know brings its
+own without editing srpo::
+
+    from srpo.gateway.parsers import ToolParser, register_tool_parser
+
+    register_tool_parser("pythonic", ToolParser(parse=parse_pythonic, start=start_pythonic))
+
+and a role selects it in the config — ``workflow.roles.<role>.tool_parser: pythonic`` — or by
+import path (``mypkg.parsers:PYTHONIC``, a :class:`ToolParser` its module defines; imported when
+the run is built).  A role without one reads replies with the parser of its model's chat template
+(:func:`srpo.gateway.tools.tool_format`); transformers' ``tokenizer.parse_response`` still comes
+first where a model ships a response schema.  What a parser returns is what the client gets; the
+recorded token ids are never re-tokenised from it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from srpo.registry import Registry
+
+ToolCalls = list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class ToolParser:
+    """``parse(text) -> (content, tool_calls)``: the reply's text without its calls, and the calls
+    as OpenAI's ``{"id", "type": "function", "function": {"name", "arguments": JSON string}}``
+    (text that is not a well-formed call stays content).  ``start(name) -> str``: how a call
+    begins in this format — of the function ``name``, or of any function (``None``); ``None``: a
+    call cannot be forced (``tool_choice`` ``required`` or a named function is then a 400)."""
+
+    parse: Callable[[str], tuple[str, ToolCalls]]
+    start: Callable[[str | None], str] | None = None
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    """``split(text) -> (reasoning, content)``: the model's thinking and its answer ('' reasoning
+    when it wrote none)."""
+
+    split: Callable[[str], tuple[str, str]]
+
+
+def _adopt(kind: type) -> Callable[[Any], dict]:
+    def adopt(obj: Any) -> dict:
+        if not isinstance(obj, kind):
+            raise TypeError(f"expected an srpo.gateway.parsers.{kind.__name__}")
+        return {}
+    return adopt
+
+
+#: name → :class:`ToolParser`.  Add one with :func:`register_tool_parser`, or name one by import path.
+TOOL_PARSERS: Registry[ToolParser] = Registry("tool parser", adopt=_adopt(ToolParser))
+#: name → :class:`ReasoningParser`.  Add one with :func:`register_reasoning_parser`, or by import path.
+REASONING_PARSERS: Registry[ReasoningParser] = Registry("reasoning parser", adopt=_adopt(ReasoningParser))
+
+
+def register_tool_parser(name: str, parser: ToolParser) -> ToolParser:
+    if not isinstance(parser, ToolParser):
+        raise TypeError(f"tool parser {name!r}: expected a ToolParser(parse=..., start=...)")
+    return TOOL_PARSERS.register(name, parser)
+
+
+def register_reasoning_parser(name: str, parser: ReasoningParser) -> ReasoningParser:
+    if not isinstance(parser, ReasoningParser):
+        raise TypeError(f"reasoning parser {name!r}: expected a ReasoningParser(split=...)")
+    return REASONING_PARSERS.register(name, parser)
+
+
+def split_think(text: str) -> tuple[str, str]:
+    """``<think>…</think>`` before the answer.  A reply that opens no ``<think>`` but closes one
+    (the opening tag was in the prompt, as Qwen3's template writes it) counts from the start; a
+    reply cut inside its thinking is all reasoning."""
+    open_tag, close_tag = "<think>", "</think>"
+    head = text.lstrip()
+    if head.startswith(open_tag):
+        head = head[len(open_tag):]
+    elif close_tag not in text:
+        return "", text
+    reasoning, closed, answer = head.partition(close_tag)
+    if not closed:  # the budget ran out while it was still thinking
+        return reasoning.strip(), ""
+    return reasoning.strip(), answer.lstrip()
+
+
+register_reasoning_parser("think", ReasoningParser(split=split_think))
+
+
+# -- the built-in tool parsers --------------------------------------------------------------------
+_DECODER = json.JSONDecoder()
+
+
+def openai_call(obj: Any) -> dict[str, Any] | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if args is None:
+        args = {}
+    return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
+            "function": {"name": obj["name"], "arguments": args if isinstance(args, str) else
+                         json.dumps(args, ensure_ascii=False)}}
+
+
+def _json_at(text: str, pos: int) -> tuple[Any, int] | None:
+    """The JSON value starting at ``pos`` (after whitespace) and the index after it, or None."""
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    try:
+        return _DECODER.raw_decode(text, pos)
+    except json.JSONDecodeError:
+        return None
+
+
+def _calls_of(value: Any) -> list[dict[str, Any]] | None:
+    items = value if isinstance(value, list) else [value]
+    calls = [openai_call(v) for v in items]
+    return calls if calls and all(c is not None for c in calls) else None
+
+
+def parse_hermes(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """``<tool_call>{json}</tool_call>`` blocks (a JSON object or a list of them each)."""
+    calls, kept, pos = [], [], 0
+    while True:
+        start = text.find("<tool_call>", pos)
+        if start < 0:
+            break
+        parsed = _json_at(text, start + len("<tool_call>"))
+        found = _calls_of(parsed[0]) if parsed else None
+        if found is None:  # malformed: stays in the text, and so does everything after it
+            break
+        end = parsed[1]
+        rest = text[end:]
+        closing = re.match(r"\s*</tool_call>", rest)
+        if closing:
+            end += closing.end()
+        elif "</tool_call>".startswith(rest.strip()):  # the closing tag cut off by the token budget
+            end = len(text)
+        else:  # no closing tag and more text: not a call the model finished
+            break
+        kept.append(text[pos:start])
+        calls.extend(found)
+        pos = end
+    kept.append(text[pos:])
+    return ("".join(kept).strip() if calls else text), calls
+
+
+def parse_llama3(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """The whole reply as JSON calls ``{"name", "parameters"}`` (``;``-separated), optionally after
+    ``<|python_tag|>``; anything else is content."""
+    body = text.strip()
+    if body.startswith("<|python_tag|>"):
+        body = body[len("<|python_tag|>"):]
+    calls, pos = [], 0
+    while True:
+        parsed = _json_at(body, pos)
+        found = _calls_of(parsed[0]) if parsed else None
+        if found is None:
+            return text, []
+        calls.extend(found)
+        pos = parsed[1]
+        rest = body[pos:].lstrip()
+        if not rest:
+            return "", calls
+        if rest[0] != ";":
+            return text, []
+        pos = len(body) - len(rest) + 1
+
+
+def parse_mistral(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """``[TOOL_CALLS] [{"name", "arguments"}, ...]`` or ``[TOOL_CALLS]name[ARGS]{...}`` (repeated)."""
+    start = text.find("[TOOL_CALLS]")
+    if start < 0:
+        return text, []
+    content, body = text[:start].strip(), text[start + len("[TOOL_CALLS]"):]
+    parsed = _json_at(body, 0)
+    if parsed is not None:
+        found = _calls_of(parsed[0])
+        if found is not None and not body[parsed[1]:].strip():
+            return content, found
+        return text, []
+    calls = []
+    for chunk in body.split("[TOOL_CALLS]"):
+        name, sep, args = chunk.partition("[ARGS]")
+        parsed = _json_at(args, 0) if sep else None
+        if parsed is None or not name.strip() or args[parsed[1]:].strip():
+            return text, []
+        calls.append(openai_call({"name": name.strip(), "arguments": parsed[0]}))
+    return content, calls
+
+
+def _start_hermes(name: str | None) -> str:
+    return '<tool_call>\n{"name": "' + (f'{name}", "arguments": ' if name else "")
+
+
+def _start_llama3(name: str | None) -> str:
+    return '{"name": "' + (f'{name}", "parameters": ' if name else "")
+
+
+def _start_mistral(name: str | None) -> str:
+    return '[TOOL_CALLS][{"name": "' + (f'{name}", "arguments": ' if name else "")
+
+
+register_tool_parser("hermes", ToolParser(parse=parse_hermes, start=_start_hermes))
+register_tool_parser("generic", TOOL_PARSERS["hermes"])  # srpo's generic format is Hermes text
+register_tool_parser("llama3", ToolParser(parse=parse_llama3, start=_start_llama3))
+register_tool_parser("mistral", ToolParser(parse=parse_mistral, start=_start_mistral))
+
+
