@@ -19,7 +19,7 @@ import pytest
 
 from srpo.tasks.base import DatasetError
 from helpers.runs import ENV, cli_train, trained  # noqa: F401  (shared helpers)
-from helpers import HELPERS
+from helpers import HELPERS, ROOT
 
 
 def test_a_row_no_tokenizer_can_take_is_refused_at_load_naming_file_and_line(tmp_path):
@@ -128,6 +128,47 @@ def test_ctrl_c_during_a_step_exits_within_seconds(tmp_path):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=GATE_LIMIT_S / 3)
     assert proc.returncode == 130, err[-2000:]
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_calls_wait_on_a_frozen_retriever_prints_no_traceback(tmp_path):
+    """SIGINT while every episode's retrieval call waits on a server that never answers: exit 130
+    with one line, never a traceback (from the main thread, a worker thread or the exit)."""
+    import http.server
+
+    reached, thaw = threading.Event(), threading.Event()
+
+    class Frozen(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            reached.set()
+            thaw.wait(120)  # answers only once the test is over
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Frozen)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    cmd = [sys.executable, "-m", "srpo", "train", "--config", str(ROOT / "configs/search/search/srpo.yaml"),
+           *[x for o in ["run.output_dir=" + str(tmp_path / "run"), "run.steps=2", "model.name=tiny-llama",
+                         "model.autocast_bf16=false", "workflow.name=always_search:AlwaysSearch",
+                         "workflow.max_new_tokens=4", "train.tasks_per_step=2", "train.group_size=2",
+                         "task.corpus=''", f"retriever.url=http://127.0.0.1:{server.server_port}/retrieve",
+                         "log.tensorboard=false", "eval.every=0", "task.eval=[]"] for x in ("--set", o)]]
+    env = {**ENV, "PYTHONPATH": f"{ENV['PYTHONPATH']}{os.pathsep}{HELPERS}"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not reached.wait(0.05):  # a retrieval call is in flight, frozen
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        thaw.set()
+        server.shutdown()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err + out and "interrupted" in err, err[-3000:]
 
 
 class _ToolThenAsk:
