@@ -60,7 +60,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from srpo.policies import load_model, registry
-    from srpo.policies.sampling import SamplingParams, sample
+    from srpo.policies.sampling import sample
+    from srpo.types import SamplingParams
 
     rows = []
     # Load time from the GGUF (a fresh cache) and from the converted cache.

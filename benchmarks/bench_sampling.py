@@ -31,7 +31,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from srpo.policies.models import load_model
-    from srpo.policies.sampling import SamplingParams, sample
+    from srpo.policies.sampling import sample
+    from srpo.types import SamplingParams
 
     model, tok = load_model("smollm2-135m")
     model.eval()

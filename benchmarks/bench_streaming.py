@@ -35,7 +35,7 @@ def main() -> None:
     from srpo.gateway.backends import ServeBackend
     from srpo.gateway.server import Gateway
     from srpo.policies.layouts import build_policies
-    from srpo.policies.sampling import SamplingParams
+    from srpo.types import SamplingParams
     from srpo.rollout.builtin import BuiltinEngine
     from srpo.types import RoleSpec
 

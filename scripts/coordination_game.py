@@ -546,12 +546,17 @@ def main(argv: list[str] | None = None) -> int:
     dest.mkdir(parents=True, exist_ok=True)
     if args.runs is None and dest != out:  # the runs travel with the report
         archive(out, dest)
+    write_report(result, dest, markdown, plot)
+    return 0
+
+
+def write_report(result: dict, dest: Path, markdown, plot) -> None:
+    """``results.json``, ``results.md`` (printed too) and ``results.png`` of a study in ``dest``."""
     (dest / "results.json").write_text(json.dumps(result, indent=1))
     text = markdown(result)
     (dest / "results.md").write_text(text)
     plot(result, dest / "results.png")
     print(text)
-    return 0
 
 
 if __name__ == "__main__":

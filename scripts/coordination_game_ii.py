@@ -55,7 +55,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from coordination_game import METHOD_SPECS, GameSpec, Policy, member_sequence_kl, read_runs, sequence_logprobs  # noqa: E402
+from coordination_game import (METHOD_SPECS, GameSpec, Policy, member_sequence_kl, read_runs,  # noqa: E402
+                               sequence_logprobs, write_report)
 from srpo import stats  # noqa: E402
 from srpo.methods import METHODS  # noqa: E402
 from srpo.objective import LossInputs, LossSettings, policy_loss  # noqa: E402
@@ -659,11 +660,7 @@ def main(argv: list[str] | None = None) -> int:
     result = report(decl, args.runs or out)
     dest = args.out or out
     dest.mkdir(parents=True, exist_ok=True)
-    (dest / "results.json").write_text(json.dumps(result, indent=1))
-    text = markdown(result)
-    (dest / "results.md").write_text(text)
-    plot(result, dest / "results.png")
-    print(text)
+    write_report(result, dest, markdown, plot)
     return 0
 
 

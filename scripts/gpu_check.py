@@ -406,7 +406,7 @@ def vllm_engine_check(args, tmp: Path) -> dict:
     import torch
 
     from srpo.policies.layouts import build_policies
-    from srpo.policies.sampling import GenerationRequest, SamplingParams
+    from srpo.types import GenerationRequest, SamplingParams
     from srpo.rollout.vllm import EngineSettings, VLLMRollout
 
     policies = build_policies("shared", args.model, ["a"])

@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from srpo.config import Config, ConfigError, DataSource, apply_overrides, parse_config, read_yaml
-from srpo.policies.sampling import SamplingParams
 from srpo.tasks.base import Task
 from srpo.tasks.kinds import TaskKind, task_kind
 from srpo.runs.secrets import redacted
-from srpo.types import RoleSpec
+from srpo.types import RoleSpec, SamplingParams
 
 
 def kind(cfg: Config) -> TaskKind:

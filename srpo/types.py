@@ -1,19 +1,62 @@
-"""The types several layers share: how a role is prompted (:class:`RoleSpec`), what an episode
-produced (:class:`EpisodeResult`) and its plain form in a checkpoint.
+"""The types several layers share: the messages between a workflow and a rollout engine (how to
+sample, :class:`SamplingParams`; what to sample, :class:`GenerationRequest`; what was sampled,
+:class:`Sample`), how a role is prompted (:class:`RoleSpec`), what an episode produced
+(:class:`EpisodeResult`) and its plain form in a checkpoint.
 
-A leaf of the package graph: it imports only the layers below every user of it (events, tasks,
-the sampling settings), so the gateway, the workflows, the rollout and the trainer can all name
-these types without importing one another.
+A leaf of the package graph with no torch import: it imports only ``srpo.tasks.base`` (and
+``srpo.events`` when a checkpoint's plain form is read back), so the gateway, the workflows, the
+rollout and the trainer can all name these types without importing one another.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
-from srpo.events import Event, Member
-from srpo.policies.sampling import SamplingParams
 from srpo.tasks.base import Task
+
+if TYPE_CHECKING:
+    from srpo.events import Event
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    stop: tuple[str, ...] = ()
+    #: called with each token id as it is drawn, in the sampling thread (streamed replies: srpo's
+    #: sampler and the vLLM engine call it; an engine that does not leaves the reply whole)
+    on_token: Callable[[int], None] | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_new_tokens < 1:
+            raise ValueError(
+                f"invalid sampling settings {self}: temperature ≥ 0, 0 < top_p ≤ 1, max_new_tokens ≥ 1"
+            )
+
+
+@dataclass
+class GenerationRequest:
+    """One completion to sample: the role asking, its prompt's token ids, how to sample."""
+
+    role: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class Sample:
+    """One completion: token ids, decoded text, behaviour log-probs (one per token), and why it ended."""
+
+    completion_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finish_reason: str  # "eos" | "stop" | "length"
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
 
 
 @dataclass(frozen=True)
@@ -65,6 +108,8 @@ def episodes_to_plain(episodes: list[EpisodeResult]) -> list[dict[str, Any]]:
 
 
 def episodes_from_plain(rows: list[dict[str, Any]]) -> list[EpisodeResult]:
+    from srpo.events import Event, Member  # here, not at the top: the events module imports torch
+
     out = []
     for row in rows:
         t = row["task"]

@@ -121,22 +121,10 @@ def _messages(body: dict) -> list[dict[str, Any]]:
 
 
 def _tools(body: dict) -> list[dict[str, Any]] | None:
-    raw = body.get("tools")
-    if raw is None or raw == []:
-        return None
-    if not isinstance(raw, list):
-        raise ProtocolError("tools must be a list", param="tools")
-    out = []
-    for i, t in enumerate(raw):
-        if not isinstance(t, dict) or t.get("type", "custom") != "custom" or not isinstance(t.get("name"), str):
-            kind = t.get("type") if isinstance(t, dict) else type(t).__name__
-            raise ProtocolError(f"tools[{i}]: only client tools ({{name, description, input_schema}}) are served, "
-                                f"got {kind!r} (server tools run on Anthropic's servers)", param=f"tools[{i}]")
-        fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}
-        if t.get("description"):
-            fn["description"] = t["description"]
-        out.append({"type": "function", "function": fn})
-    return out
+    return tool_rules.flat_function_tools(
+        body.get("tools"), is_served=lambda t: t.get("type", "custom") == "custom", schema_key="input_schema",
+        not_served=lambda kind: f"only client tools ({{name, description, input_schema}}) are served, got "
+                                f"{kind!r} (server tools run on Anthropic's servers)")
 
 
 def _tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> str:

@@ -33,9 +33,7 @@ from srpo.gateway.dataflow import EpisodeRecorder
 from srpo.gateway import tools
 from srpo.gateway.parsers import REASONING_PARSERS
 from srpo.gateway.protocol import FINISH_REASONS, Choice, CompletionRequest, ProtocolError
-from srpo.policies.sampling import GenerationRequest
-from srpo.policies.sampling import Sample, SamplingParams
-from srpo.types import RoleSpec
+from srpo.types import GenerationRequest, RoleSpec, Sample, SamplingParams
 
 log = logging.getLogger(__name__)
 

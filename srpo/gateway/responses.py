@@ -91,22 +91,10 @@ def _messages(body: dict) -> list[dict[str, Any]]:
 
 
 def _tools(body: dict) -> list[dict[str, Any]] | None:
-    raw = body.get("tools")
-    if raw is None or raw == []:
-        return None
-    if not isinstance(raw, list):
-        raise ProtocolError("'tools' must be a list", param="tools")
-    out = []
-    for i, t in enumerate(raw):
-        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str):
-            kind = t.get("type") if isinstance(t, dict) else type(t).__name__
-            raise ProtocolError(f"tools[{i}]: only function tools are served, got {kind!r} (hosted tools such as "
-                                f"web_search run on OpenAI's servers)", param=f"tools[{i}]")
-        fn = {"name": t["name"], "parameters": t.get("parameters") or {"type": "object", "properties": {}}}
-        if t.get("description"):
-            fn["description"] = t["description"]
-        out.append({"type": "function", "function": fn})
-    return out
+    return tool_rules.flat_function_tools(
+        body.get("tools"), is_served=lambda t: t.get("type") == "function", schema_key="parameters",
+        not_served=lambda kind: f"only function tools are served, got {kind!r} (hosted tools such as web_search "
+                                f"run on OpenAI's servers)")
 
 
 def parse_responses_request(body: Any, headers: dict[str, str] | None = None) -> CompletionRequest:

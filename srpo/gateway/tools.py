@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Callable
 
 from srpo.gateway.errors import ProtocolError
 from srpo.gateway.parsers import TOOL_PARSERS, openai_call
@@ -159,6 +159,27 @@ def forced_prefix(fmt: str, choice: Any) -> str:
         raise ProtocolError(f"'tool_choice': this model's tool-call format ({fmt}) cannot be forced",
                             param="tool_choice")
     return start(name)
+
+
+def flat_function_tools(raw: Any, *, is_served: Callable[[dict], bool], schema_key: str,
+                        not_served: Callable[[Any], str]) -> list[dict[str, Any]] | None:
+    """A request's list of flat tools (``{name, description, <schema_key>}``: the Responses API's
+    function tools, Anthropic's client tools) as chat function tools; None when there are none.
+    ``is_served(tool)`` says whether srpo can offer one; ``not_served(kind)`` is the refusal."""
+    if raw is None or raw == []:
+        return None
+    if not isinstance(raw, list):
+        raise ProtocolError("'tools' must be a list", param="tools")
+    out = []
+    for i, t in enumerate(raw):
+        if not isinstance(t, dict) or not is_served(t) or not isinstance(t.get("name"), str):
+            kind = t.get("type") if isinstance(t, dict) else type(t).__name__
+            raise ProtocolError(f"tools[{i}]: {not_served(kind)}", param=f"tools[{i}]")
+        fn = {"name": t["name"], "parameters": t.get(schema_key) or {"type": "object", "properties": {}}}
+        if t.get("description"):
+            fn["description"] = t["description"]
+        out.append({"type": "function", "function": fn})
+    return out
 
 
 def tool_choice(value: Any, tools: list[dict[str, Any]] | None, *, flat: bool = False) -> Any:

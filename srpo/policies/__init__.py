@@ -4,13 +4,7 @@ from srpo.policies.models import DEFAULT_MODEL, ModelLoadError, load_model, regi
 
 __all__ = ["DEFAULT_MODEL", "ModelLoadError", "load_model", "registered_names"]
 
-from srpo.policies.layouts import (  # noqa: E402
-    LAYOUTS,
-    GenerationRequest,
-    LoraSettings,
-    PolicySet,
-    build_policies,
-)
-from srpo.policies.sampling import Sample, SamplingParams  # noqa: E402
+from srpo.policies.layouts import LAYOUTS, LoraSettings, PolicySet, build_policies  # noqa: E402
 
-__all__ += ["LAYOUTS", "GenerationRequest", "LoraSettings", "PolicySet", "Sample", "SamplingParams", "build_policies"]
+__all__ += ["LAYOUTS", "LoraSettings", "PolicySet", "build_policies"]
+# The messages to and from a sampler (SamplingParams, GenerationRequest, Sample) live in srpo.types.

@@ -29,7 +29,8 @@ import torch
 
 from srpo.policies.logprobs import completion_logprobs
 from srpo.policies.models import load_model
-from srpo.policies.sampling import GenerationRequest, Sample, sample
+from srpo.policies.sampling import sample
+from srpo.types import GenerationRequest, Sample
 
 LAYOUTS = ("shared", "lora", "separate")
 

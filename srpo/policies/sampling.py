@@ -17,52 +17,13 @@ import torch
 
 from srpo.policies.fast_decode import fast_decoder_for
 from srpo.policies.logprobs import cache_keyword, position_ids_from_mask
+from srpo.types import GenerationRequest, Sample, SamplingParams
 
 
 # The lean decode step packs the weights once a call has run this many token steps with rows
 # still sampling: packing costs about as much as 10 steps save (SmolLM2-135M, batch 16), so short
 # calls (a router's choice, a verdict) never pay for it and long ones pay once.
 PACK_AFTER_STEPS = 8
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 64
-    stop: tuple[str, ...] = ()
-    #: called with each token id as it is drawn, in the sampling thread (streamed replies: srpo's
-    #: sampler and the vLLM engine call it; an engine that does not leaves the reply whole)
-    on_token: Callable[[int], None] | None = field(default=None, compare=False, repr=False)
-
-    def __post_init__(self):
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_new_tokens < 1:
-            raise ValueError(
-                f"invalid sampling settings {self}: temperature ≥ 0, 0 < top_p ≤ 1, max_new_tokens ≥ 1"
-            )
-
-
-@dataclass
-class GenerationRequest:
-    """One completion to sample: the role asking, its prompt's token ids, how to sample."""
-
-    role: str
-    prompt_ids: list[int]
-    params: SamplingParams
-
-
-@dataclass
-class Sample:
-    """One completion: token ids, decoded text, behaviour log-probs (one per token), and why it ended."""
-
-    completion_ids: list[int]
-    text: str
-    logprobs: list[float]
-    finish_reason: str  # "eos" | "stop" | "length"
-
-    @property
-    def truncated(self) -> bool:
-        return self.finish_reason == "length"
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:

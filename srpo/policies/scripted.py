@@ -12,8 +12,7 @@ from typing import Callable
 import torch
 
 from srpo.policies.layouts import PolicySet
-from srpo.policies.sampling import GenerationRequest
-from srpo.policies.sampling import Sample
+from srpo.types import GenerationRequest, Sample
 from srpo.policies.tiny import byte_tokenizer
 
 

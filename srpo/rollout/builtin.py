@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 
 from srpo.policies.layouts import PolicySet
-from srpo.policies.sampling import GenerationRequest
-from srpo.policies.sampling import Sample
+from srpo.types import GenerationRequest, Sample
 from srpo.rollout.engine import register_engine
 
 

@@ -1,8 +1,8 @@
 """The rollout engine interface: what samples the team's generations.
 
-A rollout engine answers a batch of :class:`~srpo.policies.sampling.GenerationRequest` (every
+A rollout engine answers a batch of :class:`~srpo.types.GenerationRequest` (every
 pending request of every live episode and role, as the workflow runtime batches them) with
-:class:`~srpo.policies.sampling.Sample` s that carry the sampled token ids and their behaviour
+:class:`~srpo.types.Sample` s that carry the sampled token ids and their behaviour
 log-probs; it takes the policies' new weights after an update; it is closed at the end of a run.
 
 Engines are registered in :data:`ENGINES` with their :class:`EngineCapabilities`;
@@ -28,8 +28,7 @@ import torch
 
 from srpo.registry import parts_registry
 
-from srpo.policies.sampling import GenerationRequest
-from srpo.policies.sampling import Sample
+from srpo.types import GenerationRequest, Sample
 
 
 class EngineOutOfSync(RuntimeError):

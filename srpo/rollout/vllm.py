@@ -62,7 +62,7 @@ from pathlib import Path
 
 import torch
 
-from srpo.policies.sampling import Sample
+from srpo.types import Sample
 from srpo.rollout.engine import register_engine
 from srpo.rollout.vllm_watch import EngineCoreWatch
 
@@ -273,7 +273,7 @@ def _sample(ids: list[int], text: str, logprobs, finish_reason, stop_reason) -> 
 
 
 class VLLMEngine:
-    """vLLM's ``LLM`` over a model folder, speaking :class:`~srpo.policies.sampling.Sample`."""
+    """vLLM's ``LLM`` over a model folder, speaking :class:`~srpo.types.Sample`."""
 
     _lora_ids = itertools.count(1)
     _request_ids = itertools.count(1)
@@ -601,7 +601,7 @@ class VLLMRollout:
         ``rollout/sync_gap_max``) and raises :class:`~srpo.rollout.engine.EngineOutOfSync` above
         ``max_sync_gap``.  (The engine's own samples, not prompt log-probs: vLLM's LoRA kernels
         fail on prompt log-probs.)"""
-        from srpo.policies.sampling import SamplingParams
+        from srpo.types import SamplingParams
         from srpo.rollout.engine import EngineOutOfSync
 
         prompts = probe_sequences(self.policies.tokenizer)

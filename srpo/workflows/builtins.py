@@ -28,7 +28,6 @@ from typing import Annotated, Any
 
 from pydantic import Field, TypeAdapter, ValidationError
 
-from srpo.policies.sampling import SamplingParams
 from srpo.registry import Registry
 from srpo.tasks.base import Task
 from srpo.tasks.kinds import task_kind
@@ -39,7 +38,7 @@ from srpo.workflows.parsing import (
     parse_search_step,
     search_call_context,
 )
-from srpo.types import RoleSpec
+from srpo.types import RoleSpec, SamplingParams
 from srpo.workflows.runtime import EpisodeContext, WorkflowError
 
 QA_SYSTEM = "Answer the question with a short phrase inside <answer> and </answer>."

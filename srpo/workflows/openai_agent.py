@@ -34,10 +34,9 @@ from typing import Annotated, Any, Callable, Literal
 
 from pydantic import Field
 
-from srpo.policies.sampling import SamplingParams
 from srpo.workflows import agent_worker
 from srpo.workflows.builtins import Count, OptionError, Workflow, register_workflow
-from srpo.types import RoleSpec
+from srpo.types import RoleSpec, SamplingParams
 from srpo.workflows.runtime import WorkflowError
 
 log = logging.getLogger(__name__)

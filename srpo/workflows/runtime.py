@@ -37,9 +37,8 @@ import torch
 
 from srpo.events import Event, Member
 from srpo.policies.layouts import PolicySet
-from srpo.policies.sampling import GenerationRequest, Sample
 from srpo.tasks.base import Task
-from srpo.types import EpisodeResult, RoleSpec
+from srpo.types import EpisodeResult, GenerationRequest, RoleSpec, Sample
 
 log = logging.getLogger(__name__)
 

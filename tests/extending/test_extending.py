@@ -5,6 +5,7 @@ import glob
 import json
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -110,7 +111,7 @@ class _Scripted:
         self.tokenizer, self.text = tokenizer, text
 
     def generate(self, requests, generator=None):
-        from srpo.policies.sampling import Sample
+        from srpo.types import Sample
 
         ids = self.tokenizer(self.text, add_special_tokens=False)["input_ids"]
         return [Sample(ids, self.text, [0.0] * len(ids), "eos") for _ in requests]
@@ -621,8 +622,9 @@ LAYERS = [
     ("run infrastructure", ["srpo.runs", "srpo.stats"]),
     ("objective", ["srpo.objective"]),
     ("events", ["srpo.events", "srpo.integrations"]),
-    ("tasks and models", ["srpo.tasks", "srpo.policies", "srpo.methods"]),
-    ("shared types", ["srpo.types", "srpo.data"]),
+    ("tasks", ["srpo.tasks"]),
+    ("shared types", ["srpo.types"]),
+    ("models, methods and data", ["srpo.policies", "srpo.methods", "srpo.data"]),
     ("engines and backends", ["srpo.rollout", "srpo.parallel"]),
     ("gateway", ["srpo.gateway"]),
     ("workflows", ["srpo.workflows"]),
@@ -675,6 +677,14 @@ def _assert_acyclic(deps: dict[str, set[str]], what: str) -> None:
 def _package_of(module: str) -> str:
     """``srpo.gateway.tools`` → ``srpo.gateway``; a top-level module is its own unit."""
     return ".".join(module.split(".")[:2])
+
+
+def test_the_shared_types_import_no_torch():
+    """srpo.types (the sampler's messages, role settings, episode results) loads without torch, so
+    any layer — or a user's tool — can name them cheaply."""
+    code = "import sys, srpo.types; assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
 
 
 def test_config_is_a_leaf_and_there_are_no_import_circles():

@@ -11,35 +11,17 @@ import pytest
 pytest.importorskip("starlette")
 anthropic = pytest.importorskip("anthropic")
 
-from srpo.gateway import tools  # noqa: E402
-from srpo.gateway.protocol import Choice  # noqa: E402
+from helpers.tool_backend import ToolBackend  # noqa: E402
 
 WEATHER = {"name": "weather", "description": "Weather in a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
-
-
-class ToolBackend:
-    """Answers with a weather call when tools are offered (and not refused), else with text."""
-
-    roles = ["agent"]
-
-    def __init__(self):
-        self.requests = []
-
-    async def complete(self, req):
-        self.requests.append(req)
-        if req.tools and req.tool_choice != "none":
-            text, calls = tools.parse_tool_calls('Let me look.<tool_call>{"name": "weather", "arguments": '
-                                                 '{"city": "Paris"}}</tool_call>', "hermes")
-            return [Choice(text=text, finish_reason="tool_calls", completion_tokens=9, tool_calls=calls)], 5
-        return [Choice(text="It is sunny.", finish_reason="stop", completion_tokens=4)], 5
 
 
 @pytest.fixture(scope="module")
 def claude():
     from srpo.gateway.server import Gateway
 
-    gw, backend = Gateway(), ToolBackend()
+    gw, backend = Gateway(), ToolBackend(preamble="Let me look.")
     url = gw.url(gw.open(backend))  # .../e/<token>/v1; the client adds /v1/messages itself
     yield anthropic.Anthropic(base_url=url[: -len("/v1")], api_key="x", max_retries=0), backend
     gw.stop()
@@ -123,7 +105,7 @@ def test_a_real_model_streams_token_by_token_and_stops_on_a_sequence():
     from srpo.gateway.backends import ServeBackend
     from srpo.gateway.server import Gateway
     from srpo.policies.layouts import build_policies
-    from srpo.policies.sampling import SamplingParams
+    from srpo.types import SamplingParams
     from srpo.rollout.builtin import BuiltinEngine
     from srpo.types import RoleSpec
 

@@ -571,7 +571,7 @@ def test_srpo_serve_gives_max_tokens_past_the_training_budget_and_refuses_what_i
     import asyncio
 
     from srpo.gateway.backends import ServeBackend
-    from srpo.policies.sampling import SamplingParams
+    from srpo.types import SamplingParams
     from srpo.policies.scripted import ScriptedPolicies
     from srpo.types import RoleSpec
 

@@ -47,7 +47,7 @@ def test_a_stop_string_never_leaves_in_a_stream(pieces, stops, expected):
     holds back what could begin a stop and cuts at the first stop string it sees."""
     from srpo.gateway.backends import choice
     from srpo.gateway.protocol import parse_request
-    from srpo.policies.sampling import Sample, SamplingParams
+    from srpo.types import Sample, SamplingParams
 
     text = TokenText(_Pieces(pieces), stops=stops)
     sent = "".join(text.push(i) for i in range(len(pieces)))
@@ -67,7 +67,7 @@ def served():
     from srpo.gateway.backends import ServeBackend
     from srpo.gateway.server import Gateway
     from srpo.policies.layouts import build_policies
-    from srpo.policies.sampling import SamplingParams
+    from srpo.types import SamplingParams
     from srpo.rollout.builtin import BuiltinEngine
     from srpo.types import RoleSpec
 

@@ -186,28 +186,11 @@ def test_the_shipped_template_and_the_generic_format_give_the_same_prompt():
 
 
 # -- the Responses API, through the openai client's own parsing -----------------------------------
-class ToolBackend:
-    """Answers with a weather call when tools are offered, else with text."""
-
-    roles = ["agent"]
-
-    def __init__(self):
-        self.requests = []
-
-    async def complete(self, req):
-        from srpo.gateway.protocol import Choice
-
-        self.requests.append(req)
-        if req.tools and req.tool_choice != "none":
-            text, calls = tools.parse_tool_calls('<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}'
-                                                 '</tool_call>', "hermes")
-            return [Choice(text=text, finish_reason="tool_calls", completion_tokens=9, tool_calls=calls)], 5
-        return [Choice(text="It is sunny.", finish_reason="stop", completion_tokens=4)], 5
-
-
 @pytest.fixture(scope="module")
 def responses_url():
     from srpo.gateway.server import Gateway
+
+    from helpers.tool_backend import ToolBackend
 
     gw = Gateway()
     backend = ToolBackend()
@@ -307,7 +290,7 @@ def test_a_model_that_ships_a_response_parser_is_parsed_by_it():
 def test_the_think_parser_splits_thinking_from_the_answer(reply, reasoning, content):
     from srpo.gateway.backends import choice
     from srpo.gateway.parsers import REASONING_PARSERS
-    from srpo.policies.sampling import Sample, SamplingParams
+    from srpo.types import Sample, SamplingParams
 
     assert REASONING_PARSERS["think"].split(reply) == (reasoning, content)
     plain = parse_request({"model": "solver", "messages": CONVERSATION}, chat=True)

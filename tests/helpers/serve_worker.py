@@ -14,7 +14,7 @@ import time
 
 from srpo.gateway.backends import ServeBackend
 from srpo.gateway.server import serve_forever
-from srpo.policies.sampling import Sample, SamplingParams
+from srpo.types import Sample, SamplingParams
 from srpo.policies.scripted import ScriptedPolicies
 from srpo.types import RoleSpec
 

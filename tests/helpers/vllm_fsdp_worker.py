@@ -22,8 +22,7 @@ import torch
 
 from engine_logprobs import max_gap, trainer_logprobs  # tests/: this script's folder
 from srpo.build import load_config
-from srpo.policies.sampling import GenerationRequest
-from srpo.policies.sampling import SamplingParams
+from srpo.types import GenerationRequest, SamplingParams
 from srpo.train import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

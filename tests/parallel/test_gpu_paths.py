@@ -181,6 +181,7 @@ def test_weight_sync_falls_back_to_disk_when_shm_fills(tmp_path, monkeypatch):
             pass
 
     engine.llm = LLM()
+    engine.watch = vllm.EngineCoreWatch(engine.llm)  # a stand-in LLM has no core process to watch
     real_save = st.save_file
 
     def save_file(tensors, path):

@@ -8,16 +8,10 @@ import pytest
 import torch
 
 from srpo.events import Event, Member, collate
-from srpo.policies import (
-    GenerationRequest,
-    LoraSettings,
-    ModelLoadError,
-    SamplingParams,
-    build_policies,
-    load_model,
-)
+from srpo.policies import LoraSettings, ModelLoadError, build_policies, load_model
 from srpo.policies import models as registry
 from srpo.policies.logprobs import completion_logprobs, completion_logprobs_plain
+from srpo.types import GenerationRequest, SamplingParams
 from srpo.policies.sampling import sample
 
 ROLES = ["worker", "aggregator"]

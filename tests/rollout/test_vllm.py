@@ -19,8 +19,7 @@ vllm = pytest.importorskip("vllm", reason="the vLLM engine tests run in .venv-vl
 from helpers.engine_logprobs import max_gap, trainer_logprobs  # noqa: E402
 from srpo.build import load_config  # noqa: E402
 from srpo.policies.layouts import build_policies
-from srpo.policies.sampling import GenerationRequest  # noqa: E402
-from srpo.policies.sampling import SamplingParams  # noqa: E402
+from srpo.types import GenerationRequest, SamplingParams  # noqa: E402
 from srpo.rollout.vllm import EngineSettings, VLLMRollout  # noqa: E402
 from srpo.train import Trainer, TrainingStopped  # noqa: E402
 

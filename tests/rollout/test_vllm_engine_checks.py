@@ -44,7 +44,7 @@ class StandInEngine:
         """A fixed "sample" (the prompt's first tokens, reversed) with its log-probs under the
         weights this engine holds — stale ones if a sync was dropped."""
         from srpo.policies.logprobs import completion_logprobs
-        from srpo.policies.sampling import Sample
+        from srpo.types import Sample
 
         out = []
         with torch.no_grad():

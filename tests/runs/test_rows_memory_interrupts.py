@@ -202,7 +202,7 @@ def _tool_run(workflow, tool_timeout_s=30.0):
     import torch
 
     from srpo.policies.layouts import build_policies
-    from srpo.policies.sampling import SamplingParams
+    from srpo.types import SamplingParams
     from srpo.rollout.builtin import BuiltinEngine
     from srpo.tasks.base import Task
     from srpo.types import RoleSpec

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("starlette")
 httpx = pytest.importorskip("httpx")
 
-from srpo.policies.sampling import Sample, SamplingParams  # noqa: E402
+from srpo.types import Sample, SamplingParams  # noqa: E402
 from srpo.policies.scripted import ScriptedPolicies  # noqa: E402
 from helpers import HELPERS
 

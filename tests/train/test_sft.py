@@ -98,7 +98,7 @@ def test_the_builtin_scripts_find_answers_in_their_workflows(tmp_path, workflow,
 def test_sft_teaches_a_role_its_format(tmp_path):
     """A memorised format: after SFT the role's greedy answer is the transcript's output."""
     from srpo import build
-    from srpo.policies.sampling import SamplingParams
+    from srpo.types import SamplingParams
     from srpo.apps.sft import examples_from
     from srpo.train.supervised import SupervisedTrainer
     from srpo.workflows.runtime import render_prompt_ids
@@ -111,7 +111,7 @@ def test_sft_teaches_a_role_its_format(tmp_path):
     examples = examples_from(episodes, team.role_specs, team.policies.tokenizer)
     assert examples[0].completion_ids[-1] == team.policies.tokenizer.eos_token_id  # it learns to stop too
     SupervisedTrainer(cfg, examples, team.policies, tmp_path / "sft", artefacts=(), progress=False).fit()
-    from srpo.policies.sampling import GenerationRequest
+    from srpo.types import GenerationRequest
 
     spec = team.role_specs["verifier"]
     ids = render_prompt_ids(team.policies.tokenizer, spec, "Question: q9\n\nInformation gathered:\n(none yet)")
