@@ -559,7 +559,8 @@ def _add_run_commands(sub) -> None:
                    help="run the agent program and import paths the run folder's config names (never by default)")
     p.set_defaults(func=_eval)
 
-    p = sub.add_parser("serve", help="the OpenAI-compatible endpoint on a trained team (model = a role's name)")
+    p = sub.add_parser("serve", help="the OpenAI- and Anthropic-compatible endpoint on a trained team "
+                                     "(model = a role's name)")
     p.add_argument("--model", required=True,
                    help="a run folder, a checkpoint, srpo sft's output folder, or a model name/path (then --workflow)")
     p.add_argument("--workflow", default=None, help="default: the workflow the checkpoint was trained in, else single")
@@ -578,7 +579,7 @@ def _add_run_commands(sub) -> None:
                    help="the most generations waiting; beyond, requests get 429 with Retry-After")
     p.add_argument("--api-key", default=None,
                    help="every request must send Authorization: Bearer KEY, as OpenAI clients do with api_key= "
-                        "(default: $SRPO_API_KEY; none)")
+                        "(or x-api-key: KEY, as Anthropic's do; default: $SRPO_API_KEY; none)")
     _add_overrides(p, "override fields of the serving config (e.g. workflow.roles.judge.temperature=0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=_number(int, 0, "an integer ≥ 0"), default=0)
