@@ -29,7 +29,9 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from srpo import stats  # noqa: E402
-from srpo.apps.study import comparisons, finished_records, heldout_sizes, load_study, run_study  # noqa: E402
+from srpo.apps.study.runner import finished_records, run_study  # noqa: E402
+from srpo.apps.study.schema import heldout_sizes, load_study  # noqa: E402
+from srpo.apps.study.statistics import comparisons  # noqa: E402
 from srpo.tasks.math import synthetic_arithmetic  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -502,7 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run_commands(sub)
     _add_tool_commands(sub)
-    from srpo.apps.study import add_study_parser
+    from srpo.apps.study.command import add_study_parser
 
     add_study_parser(sub)
     return parser

@@ -7,7 +7,7 @@ import torch
 import yaml
 
 from srpo.config import ConfigError
-from srpo.apps.study import run_study
+from srpo.apps.study.runner import run_study
 
 
 @pytest.mark.slow
@@ -72,7 +72,7 @@ def _record(label, seed, avg, method="srpo"):
 
 def test_paired_differences_against_the_baseline():
     from srpo.stats import t_interval
-    from srpo.apps.study import paired_differences
+    from srpo.apps.study.statistics import paired_differences
 
     base = [0.50, 0.40, 0.60, 0.55, 0.45]
     gain = [0.10, 0.12, 0.08, 0.11, 0.09]   # a consistent gain: small SE once paired
@@ -96,7 +96,7 @@ def test_paired_differences_against_the_baseline():
 
 
 def test_paired_differences_per_dataset_see_what_the_macro_average_hides():
-    from srpo.apps.study import paired_differences
+    from srpo.apps.study.statistics import paired_differences
 
     def record(label, seed, kb, hotpot):
         return {"label": label, "seed": seed, "eval": {"datasets": {"kb": {"avg@2": kb}, "hotpot": {"avg@2": hotpot}},
@@ -146,7 +146,7 @@ def test_references_are_evaluated_untrained_with_their_own_overrides(tmp_path):
 
 
 def test_mechanism_reads_by_k_metrics_per_seed(tmp_path):
-    from srpo.apps.study import mechanism
+    from srpo.apps.study.statistics import mechanism
 
     for seed, clip in ((0, 0.1), (1, 0.3)):
         run = tmp_path / "dr_mas" / f"seed{seed}"
@@ -201,7 +201,7 @@ def test_seed_planning_script_runs_reduced_on_cpu(tmp_path):
 def test_a_torn_cell_record_is_named_set_aside_and_the_cell_run_again(tmp_path):
     """A cell.json cut off mid-write (written before records were atomic, or a full disk) used to
     stop the whole study with an unnamed JSONDecodeError; now it is named, moved aside, redone."""
-    from srpo.apps.study import read_cell
+    from srpo.apps.study.runner import read_cell
 
     cell = tmp_path / "srpo" / "seed0" / "cell.json"
     cell.parent.mkdir(parents=True)
@@ -287,7 +287,7 @@ def test_a_preempted_study_stops_its_cell_s_process_at_a_checkpoint_and_continue
 def test_a_base_that_evaluates_during_training_makes_cells_that_do_not_unless_the_study_keeps_it(tmp_path):
     """Cells drop the base's held-out sets (the study evaluates after training), so they turn its
     evaluation during training off too; ``eval.during_training: true`` keeps both."""
-    from srpo.apps.study import cell_config, cells, load_study
+    from srpo.apps.study.schema import cell_config, cells, load_study
 
     (tmp_path / "base.yaml").write_text(yaml.safe_dump({
         "model": {"name": "tiny-llama"}, "workflow": {"name": "single"},

@@ -284,7 +284,7 @@ def test_paper_configs_name_their_evaluation_sets_and_evaluate_during_training()
 
 def test_every_config_in_configs_validates(tmp_path, monkeypatch):
     from srpo.config import Config, parse_section, read_yaml
-    from srpo.apps.study import load_study
+    from srpo.apps.study.schema import load_study
 
     # search_warmstart.yaml starts from the warm starts `srpo sft` writes first (paths from the root).
     monkeypatch.chdir(tmp_path)
@@ -313,7 +313,7 @@ def test_every_config_in_configs_validates(tmp_path, monkeypatch):
                if {"base", "axes"} <= set(read_yaml(f) or {})]
     assert len(studies) >= 14 and any("/paper/" in f for f in studies)
     from srpo import build
-    from srpo.apps.study import cells, references
+    from srpo.apps.study.schema import cells, references
 
     checked = 0
     for s in studies:
@@ -345,7 +345,7 @@ def test_every_config_field_is_documented():
     ("eval: {k: 2, datasets: []}\naxes: {m: [{lable: a}]}", "axes.m[0].label: missing (a required key)"),
 ])
 def test_study_file_is_typed_and_every_cell_validated(tmp_path, text, message):
-    from srpo.apps.study import load_study
+    from srpo.apps.study.schema import load_study
 
     base = tmp_path / "base.yaml"
     base.write_text("run: {steps: 1}\nmodel: {name: tiny-llama}\n")

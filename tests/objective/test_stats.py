@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from srpo import stats
-from srpo.apps.study import comparisons, comparisons_text
+from srpo.apps.study.statistics import comparisons, comparisons_text
 
 
 def test_sign_flip_is_exact_and_bounded_by_the_number_of_seeds():
@@ -86,7 +86,7 @@ def test_five_seeds_say_the_exact_test_cannot_pass():
 
 def test_study_primary_must_name_cells_of_the_grid(tmp_path):
     from srpo.config import ConfigError
-    from srpo.apps.study import load_study
+    from srpo.apps.study.schema import load_study
 
     (tmp_path / "base.yaml").write_text(yaml.safe_dump({"model": {"name": "tiny-llama"}}))
     study = {"output_dir": str(tmp_path / "o"), "base": "base.yaml", "seeds": [0],
@@ -100,7 +100,7 @@ def test_study_primary_must_name_cells_of_the_grid(tmp_path):
 
 def test_contrasts_compare_declared_pairs_and_join_the_holm_family(tmp_path):
     from srpo.config import ConfigError
-    from srpo.apps.study import load_study
+    from srpo.apps.study.schema import load_study
 
     base = [0.40, 0.52, 0.47, 0.61, 0.55, 0.43, 0.58, 0.50]
     records = [_record("sqrt-1", s, b) for s, b in enumerate(base)]

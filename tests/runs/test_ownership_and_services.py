@@ -459,7 +459,7 @@ def test_a_port_in_use_is_one_error_line(retrieval_server, tmp_path):
 def test_a_study_folder_with_a_planted_link_is_refused_before_any_cell(tmp_path):
     import yaml
 
-    from srpo.apps.study import run_study
+    from srpo.apps.study.runner import run_study
 
     (tmp_path / "base.yaml").write_text(yaml.safe_dump({"model": {"name": "tiny-llama"}, "task": {"kind": "math",
                                         "train": {"source": "synthetic_arithmetic", "level": 0, "n": 4}}}))
@@ -495,7 +495,7 @@ def test_a_run_folder_from_before_ownership_records_is_adopted_only_where_srpo_w
 
 def test_a_study_grid_that_makes_a_cell_twice_is_refused_before_any_cell_runs(tmp_path):
     from srpo.config import ConfigError
-    from srpo.apps.study import load_study
+    from srpo.apps.study.schema import load_study
 
     base = tmp_path / "base.yaml"
     base.write_text("run: {steps: 1}\nmodel: {name: tiny-llama}\n")

@@ -99,7 +99,7 @@ def test_corpus_paths_resolve_against_the_file_that_names_them(tmp_path, heldout
 
 
 def test_a_study_resolves_and_checks_its_eval_corpora(tmp_path, heldout_files):
-    from srpo.apps.study import load_study
+    from srpo.apps.study.schema import load_study
 
     questions, corpus = heldout_files
     (tmp_path / "base.yaml").write_text(yaml.safe_dump({

@@ -31,16 +31,3 @@ set-ratio statistics and clip fraction by set size, gradient norm (range and coe
 variation), mean active-set size (first and last steps), the router's set size, invalid events,
 and correct answers per million team tokens.
 """
-
-from srpo.apps.study.command import add_study_parser
-from srpo.apps.study.runner import (STUDY_FILES, diagnostics, environment, finished_records, read_cell, restate_results,
-                                    run_cell, run_study, summarize_study, write_results)
-from srpo.apps.study.schema import (StudySpec, cell_config, cells, eval_splits, heldout_sizes, load_study,
-                                    references)
-from srpo.apps.study.statistics import (comparisons, comparisons_text, mechanism, paired_differences,
-                                        pairing_check, summarize)
-
-__all__ = ["STUDY_FILES", "StudySpec", "add_study_parser", "cell_config", "cells", "comparisons", "comparisons_text",
-           "diagnostics", "environment", "eval_splits", "finished_records", "heldout_sizes", "load_study",
-           "mechanism", "paired_differences", "pairing_check", "read_cell", "references", "restate_results",
-           "run_cell", "run_study", "summarize", "summarize_study", "write_results"]
