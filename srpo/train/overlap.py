@@ -166,13 +166,9 @@ def pending_batch(plain: dict[str, Any], rank: int, world: int) -> list | None:
 
     Same number of ranks: each rank continues with its own batch.  Another number: the batches
     were sampled for another deal of tasks to ranks and cannot be split fairly, so they are dropped
-    and the step samples anew (said once, on rank 0).  A checkpoint from before per-rank batches
-    holds rank 0's only: usable by a one-process run alone.
+    and the step samples anew (said once, on rank 0).
     """
     by_rank = plain.get("pending_episodes_by_rank")
-    if by_rank is None:
-        legacy = plain.get("pending_episodes")
-        by_rank = [legacy] if legacy is not None else None
     if not by_rank or all(b is None for b in by_rank):
         return None
     if len(by_rank) == world:
