@@ -286,7 +286,7 @@ def _check_capabilities(cfg: Config) -> None:
         raise ConfigError(
             f"workflow.roles.<role>.top_p: below 1 with rollout.engine: {r.engine} the engine's behaviour log-probs "
             f"include its top-p renormalisation and the trainer's do not — the logged mismatch and train.tis_cap "
-            f"would be biased; sample with top_p 1 on this engine, or use rollout.engine: hf")
+            f"would be biased; sample with top_p 1 on this engine, or use rollout.engine: builtin")
     if r.sleep_during_update and device_type not in engine_.sleeps_on:
         where = ", ".join(engine_.sleeps_on) or "no device"
         raise ConfigError(f"rollout.sleep_during_update: the {r.engine} engine releases its memory during updates on "

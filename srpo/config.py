@@ -416,8 +416,8 @@ class EvalConfig(Section):
 
 
 class RolloutConfig(Section):
-    engine: str = "hf"
-    """A registered rollout engine (srpo.rollout.ENGINES) or an import path: hf (srpo's own sampler on the training weights) or vllm (a colocated vLLM engine, weights
+    engine: str = "builtin"
+    """A registered rollout engine (srpo.rollout.ENGINES) or an import path: builtin (srpo's own sampler on the training weights) or vllm (a colocated vLLM engine, weights
     synced after each step's optimizer steps, before the next rollout; pip install vllm — see
     docs/scaling.md)."""
     gpu_memory_utilization: Annotated[Float, Field(gt=0, le=1)] = 0.3

@@ -568,7 +568,7 @@ def _add_run_commands(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=_number(int, 0, "a port number"), default=8000, help="0: any free port")
     p.add_argument("--engine", default=None,
-                   help="what samples: a registered rollout engine (hf, vllm) or an import path "
+                   help="what samples: a registered rollout engine (builtin, vllm) or an import path "
                         "(default: the run's rollout.engine)")
     p.add_argument("--max-new-tokens", type=_number(int, 0, "an integer ≥ 0"), default=0,
                    help="each role's token budget for a request that gives no max_tokens (default: the run's)")

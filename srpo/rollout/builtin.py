@@ -14,7 +14,7 @@ from srpo.types import GenerationRequest, Sample
 from srpo.rollout.engine import register_engine
 
 
-@register_engine("hf", "builtin")
+@register_engine("builtin")
 class BuiltinEngine:
     name = "builtin"
     reads_trainer_weights = True  # it samples from the policies' own (live) parameters

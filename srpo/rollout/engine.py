@@ -9,7 +9,7 @@ Engines are registered in :data:`ENGINES` with their :class:`EngineCapabilities`
 ``rollout.engine`` names one (or gives an import path, ``mypkg.engines:Remote``), and the config
 checks ask the capabilities, never the name:
 
-``hf`` / ``builtin`` (:class:`srpo.rollout.builtin.BuiltinEngine`)  srpo's own sampler in the
+``builtin`` (:class:`srpo.rollout.builtin.BuiltinEngine`)  srpo's own sampler in the
     training process, on the training weights themselves (nothing to sync).
 ``vllm`` (:class:`srpo.rollout.vllm.VLLMRollout`)  colocated vLLM engine(s), weights pushed in
     after every update.

@@ -258,7 +258,7 @@ def test_top_p_below_one_on_vllm_is_refused():
             "workflow": {"roles": {"solver": {"top_p": 0.9}}}}
     with pytest.raises(ConfigError, match="top-p renormalisation"):
         config_from_dict({**data, "rollout": {"engine": "vllm"}})
-    config_from_dict({**data, "rollout": {"engine": "hf"}})
+    config_from_dict({**data, "rollout": {"engine": "builtin"}})
 
 
 def test_engine_dtype_follows_the_trainers_compute():
@@ -354,7 +354,7 @@ def test_sleep_mode_releases_the_engines_before_the_update_and_wakes_them_before
         rollout.update_weights()
         assert calls == [("sleep", level), "wake:weights", "sync", "wake:kv_cache", "check after a wake"]
         assert engine.asleep == 0
-    with pytest.raises(ConfigError, match="sleep_during_update: the hf engine releases its memory during updates on "
+    with pytest.raises(ConfigError, match="sleep_during_update: the builtin engine releases its memory during updates on "
                                           "no device"):
         config_from_dict({"model": {"name": "tiny-llama"}, "rollout": {"sleep_during_update": True},
                           "task": {"kind": "math", "train": {"source": "synthetic_arithmetic"}}})

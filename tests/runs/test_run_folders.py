@@ -540,7 +540,7 @@ def test_paper_configs_validate_from_any_directory(cwd, tmp_path, monkeypatch):
         if not has_vllm:  # the paper configs sample with vLLM: a machine without it is told what to install
             with pytest.raises(ConfigError, match=r"rollout.engine: vllm needs vllm, which is not installed \(pip install 'srpo\[vllm\]'"):
                 load_config(path)
-        cfg = load_config(path, [] if has_vllm else ["rollout.engine=hf"])
+        cfg = load_config(path, [] if has_vllm else ["rollout.engine=builtin"])
         for src in cfg.task.eval:
             if not src.source.startswith(("hub:", "synthetic_")):
                 assert Path(src.source).is_file(), (path.name, src.source)
