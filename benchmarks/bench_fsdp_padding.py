@@ -62,7 +62,7 @@ def worker(setting: str, steps: int, out: str, run_dir: str, model: str) -> None
     data["model"]["name"] = model
     data["task"]["eval"] = []
     data["train"].update({"parallel": "fsdp", "length_groups": groups, "fsdp_share_prompts": share})
-    data["log"] = {"tensorboard": False}
+    data["log"] = {"backends": []}
     trainer = Trainer(config_from_dict(data), progress=False)
     counts = {"slots": 0, "real": 0, "calls": 0}
     counting = []  # non-empty inside the log-prob passes (the sampler's prefill calls the decoder too)

@@ -59,7 +59,7 @@ def run_ours(steps: int, threads: int, skip_zero_advantage: bool = True, profile
         "method": {"name": "grpo"},
         "train": {"tasks_per_step": PROMPTS_PER_STEP, "group_size": SAMPLES, "lr": LR, "max_grad_norm": 1.0,
                   "skip_zero_advantage": skip_zero_advantage, **(train or {})},
-        "checkpoint": {"every": 0}, "log": {"tensorboard": False},
+        "checkpoint": {"every": 0}, "log": {"backends": []},
     })
     trainer = Trainer(cfg, progress=False)
     trainer.save = lambda: None  # checkpoint writing is not part of a step

@@ -42,7 +42,7 @@ def train_command(run_dir: Path, steps: int, resume: bool) -> list[str]:
     overrides = [f"run.output_dir={run_dir}", f"run.steps={steps}", "run.threads=1", "model.name=tiny-llama",
                  "model.autocast_bf16=false", "workflow.options={num_workers: 2}", "workflow.max_new_tokens=8",
                  "train.tasks_per_step=2", "train.group_size=2", "train.lr=0.01", "task.train.n=16",
-                 "checkpoint.every=1", "checkpoint.keep=2", "log.tensorboard=false"]
+                 "checkpoint.every=1", "checkpoint.keep=2", "log.backends=[]"]
     return [sys.executable, "-m", "srpo.apps.cli", "train", "--config", str(ROOT / "configs/math/parallel_aggregate/srpo.yaml"),
             *[x for o in overrides for x in ("--set", o)], *(["--resume"] if resume else [])]
 

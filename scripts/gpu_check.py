@@ -70,7 +70,7 @@ class CheckFailed(AssertionError):
 def overrides(args, run: Path, *extra: str) -> list[str]:
     return [f"run.output_dir={run}", f"run.device={args.device}", f"model.name={args.model}", "run.seed=0",
             "workflow.options={num_workers: 2}", "workflow.max_new_tokens=16", "train.tasks_per_step=2",
-            "train.group_size=4", "task.train.n=16", "log.tensorboard=false", "train.skip_zero_advantage=false",
+            "train.group_size=4", "task.train.n=16", "log.backends=[]", "train.skip_zero_advantage=false",
             "checkpoint.every=1", "eval.every=0", "model.autocast_bf16=false", "model.lora.r=8", *extra]
 
 

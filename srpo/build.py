@@ -453,7 +453,7 @@ def metrics_logger(cfg: Config, rank: int, run_dir: Path | None = None):
     from srpo.runs.metrics_log import MetricsLogger
 
     return MetricsLogger(
-        Path(run_dir if run_dir is not None else cfg.run.output_dir), cfg.log.active_backends(), enabled=rank == 0,
+        Path(run_dir if run_dir is not None else cfg.run.output_dir), cfg.log.backends, enabled=rank == 0,
         tracker_options={"project": cfg.log.project, "run_name": cfg.log.run_name, "config": redacted(cfg.to_dict()),
                          "mlflow_tracking_uri": cfg.log.mlflow_tracking_uri, "wandb_mode": cfg.log.wandb_mode,
                          "timeout_s": cfg.log.tracker_timeout_s})

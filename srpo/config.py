@@ -350,8 +350,6 @@ class LogConfig(Section):
     backends: list[str] = Field(default_factory=lambda: ["tensorboard"])
     """Experiment trackers, any subset of tensorboard, wandb, mlflow, trackio (each but tensorboard
     an optional extra: pip install 'srpo[wandb]', 'srpo[mlflow]', 'srpo[trackio]'); see srpo.runs.trackers."""
-    tensorboard: bool = True
-    """false leaves tensorboard out of ``backends`` (a shorthand kept for older configs)."""
     project: str = "srpo"
     """W&B and trackio project, MLflow experiment."""
     run_name: str = ""
@@ -365,10 +363,6 @@ class LogConfig(Section):
     overruns or fails is switched off for the run with one warning (metrics.jsonl keeps every row)."""
     sample_episodes: NonNegativeInt = 2
     """Episodes per step written in full to samples.jsonl."""
-
-    def active_backends(self) -> list[str]:
-        return [b for b in self.backends if self.tensorboard or b != "tensorboard"]
-
 
 class SftConfig(Section):
     data: str = ""

@@ -57,7 +57,7 @@ def run_artefacts(cfg) -> list[str]:
     from srpo.runs.trackers import tracker_artefacts
 
     return ["metrics.jsonl", "samples.jsonl", "checkpoints", "trackers.json", "srpo.log",
-            *tracker_artefacts(cfg.log.active_backends(), cfg.log)]
+            *tracker_artefacts(cfg.log.backends, cfg.log)]
 
 
 def claim_fresh(trainer) -> None:

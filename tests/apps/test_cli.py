@@ -12,7 +12,7 @@ def test_train_eval_report_roundtrip(tmp_path, capsys):
     code = main(["train", "--config", "configs/math/parallel_aggregate/srpo.yaml",
                  "--set", f"run.output_dir={run}", "--set", "run.steps=2", "--set", "model.name=tiny-llama",
                  "--set", "model.autocast_bf16=false", "--set", "workflow.max_new_tokens=6",
-                 "--set", "train.group_size=2", "--set", "log.tensorboard=false", "--set", "task.train.n=4",
+                 "--set", "train.group_size=2", "--set", "log.backends=[]", "--set", "task.train.n=4",
                  # A tiny random model earns reward 0 everywhere: every advantage is 0, and skipped
                  # events would leave no ratio/clip diagnostics for the report to plot.
                  "--set", "train.skip_zero_advantage=false"])

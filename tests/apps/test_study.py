@@ -18,7 +18,7 @@ def test_study_runs_tabulates_and_resumes(tmp_path, monkeypatch):
         "workflow": {"name": "parallel_aggregate", "options": {"num_workers": 2}, "max_new_tokens": 4},
         "task": {"kind": "math", "train": {"source": "synthetic_arithmetic", "level": 0, "n": 8}},
         "train": {"tasks_per_step": 2, "group_size": 2, "lr": 0.01},
-        "checkpoint": {"every": 0}, "log": {"tensorboard": False},
+        "checkpoint": {"every": 0}, "log": {"backends": []},
     }))
     study = tmp_path / "study.yaml"
     study.write_text(yaml.safe_dump({
@@ -122,7 +122,7 @@ def test_references_are_evaluated_untrained_with_their_own_overrides(tmp_path):
         "run": {"steps": 1}, "model": {"name": "tiny-llama"},
         "workflow": {"name": "parallel_aggregate", "options": {"num_workers": 2}, "max_new_tokens": 4},
         "task": {"kind": "math", "train": {"source": "synthetic_arithmetic", "level": 0, "n": 8}},
-        "train": {"tasks_per_step": 1, "group_size": 2}, "checkpoint": {"every": 0}, "log": {"tensorboard": False},
+        "train": {"tasks_per_step": 1, "group_size": 2}, "checkpoint": {"every": 0}, "log": {"backends": []},
     }))
     study = tmp_path / "study.yaml"
     study.write_text(yaml.safe_dump({
@@ -218,7 +218,7 @@ def _one_cell_study(tmp_path, run: dict, workflow: dict):
     (tmp_path / "base.yaml").write_text(yaml.safe_dump({
         "run": run, "model": {"name": "tiny-llama"}, "workflow": workflow,
         "task": {"kind": "math", "train": {"source": "synthetic_arithmetic", "level": 0, "n": 8}},
-        "train": {"tasks_per_step": 2, "group_size": 2}, "checkpoint": {"every": 0}, "log": {"tensorboard": False}}))
+        "train": {"tasks_per_step": 2, "group_size": 2}, "checkpoint": {"every": 0}, "log": {"backends": []}}))
     study = tmp_path / "study.yaml"
     study.write_text(yaml.safe_dump({
         "output_dir": str(tmp_path / "out"), "base": "base.yaml", "seeds": [0],
@@ -293,7 +293,7 @@ def test_a_base_that_evaluates_during_training_makes_cells_that_do_not_unless_th
         "model": {"name": "tiny-llama"}, "workflow": {"name": "single"},
         "task": {"kind": "math", "train": {"source": "synthetic_arithmetic", "level": 0, "n": 8},
                  "eval": [{"source": "synthetic_arithmetic", "level": 0, "n": 4, "name": "curve"}]},
-        "eval": {"k": 1, "every": 5}, "log": {"tensorboard": False},
+        "eval": {"k": 1, "every": 5}, "log": {"backends": []},
     }))
     study = {"output_dir": str(tmp_path / "out"), "base": "base.yaml", "seeds": [0],
              "axes": {"method": [{"label": "srpo", "set": {}}, {"label": "grpo", "set": {"method.name": "grpo"}}]},

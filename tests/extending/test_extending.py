@@ -27,7 +27,7 @@ def varied_reward(task, answer):
 def tiny(tmp_path, *extra):
     return [f"run.output_dir={tmp_path / 'run'}", "run.steps=1", "model.name=tiny-llama", "workflow.max_new_tokens=6",
             "train.tasks_per_step=2", "train.group_size=2", "train.lr=0.01", "task.train.n=8", "task.eval=[]",
-            "checkpoint.every=0", "log.tensorboard=false", *extra]
+            "checkpoint.every=0", "log.backends=[]", *extra]
 
 
 # ------------------------------------------------------------------ the docs/extending.md recipes, run as written
@@ -233,7 +233,7 @@ def test_eval_every_logs_heldout_curves_keeps_the_best_checkpoint_and_reports(tm
 
     cfg = load_config(None, tiny(tmp_path, "run.steps=3", "eval.every=2", "eval.k=2", "eval.n=3",
                                  "task.eval=[{source: synthetic_arithmetic, level: 0, n: 5, seed: 9, name: held}]",
-                                 "checkpoint.keep=1", "log.tensorboard=true"))
+                                 "checkpoint.keep=1", "log.backends=[tensorboard]"))
     trainer = Trainer(cfg, progress=False, reward_fn=varied_reward)
     trainer.fit()
     trainer.close()

@@ -35,7 +35,7 @@ def main(out_path: str, run_dir: str) -> None:
         f"run.output_dir={run_dir}", "model.name=tiny-llama", "workflow.name=parallel_aggregate",
         "workflow.options={num_workers: 3}", "workflow.max_new_tokens=8", "train.tasks_per_step=3",
         "train.group_size=3", "train.optimizer=sgd", "train.lr=0.5", "train.epochs=2", "train.microbatches=2",
-        "task.train.n=6", "log.tensorboard=false"])
+        "task.train.n=6", "log.backends=[]"])
     dist = DataParallel()
     trainer = Trainer(cfg, backend=dist, progress=False, reward_fn=varied_reward)
     # The same global batch on every rank: fixed tasks, a fixed sampling seed.

@@ -62,7 +62,7 @@ def update(out_path: str, run_dir: str, parallel: str, *extra: str) -> None:
         f"run.output_dir={run_dir}", "model.name=tiny-llama", "workflow.name=parallel_aggregate",
         "workflow.options={num_workers: 3}", "workflow.max_new_tokens=8", "train.tasks_per_step=3",
         "train.group_size=3", "train.optimizer=sgd", "train.lr=0.5", "train.epochs=2", "train.microbatches=2",
-        "task.train.n=6", "log.tensorboard=false", f"train.parallel={parallel}", *extra])
+        "task.train.n=6", "log.backends=[]", f"train.parallel={parallel}", *extra])
     trainer = Trainer(cfg, progress=False, reward_fn=varied_reward)
     dist = trainer.backend
     events = global_batch(trainer, cfg)
@@ -84,7 +84,7 @@ def update_by_policy(out_path: str, run_dir: str, parallel: str, layout: str = "
     cfg = load_config(None, [
         f"run.output_dir={run_dir}", "model.name=tiny-llama", f"model.layout={layout}", "workflow.name=solver_verifier",
         "workflow.options={rounds: 1}", "workflow.max_new_tokens=8", "train.tasks_per_step=3", "train.group_size=3",
-        "train.optimizer=sgd", "train.lr=0.5", "task.train.n=6", "log.tensorboard=false",
+        "train.optimizer=sgd", "train.lr=0.5", "task.train.n=6", "log.backends=[]",
         "train.skip_zero_advantage=false", f"train.parallel={parallel}"])
     trainer = Trainer(cfg, progress=False, reward_fn=varied_reward)
     dist = trainer.backend
@@ -124,7 +124,7 @@ def resume_overrides(run_dir: str, steps: int = 2) -> list[str]:
     return [f"run.output_dir={run_dir}", f"run.steps={steps}", "model.name=tiny-llama", "model.autocast_bf16=false",
             "workflow.name=parallel_aggregate", "workflow.options={num_workers: 2}", "workflow.max_new_tokens=6",
             "train.tasks_per_step=2", "train.group_size=2", "train.lr=0.01", "task.train.n=8",
-            "checkpoint.every=1", "log.tensorboard=false", "train.parallel=fsdp", "train.skip_zero_advantage=false"]
+            "checkpoint.every=1", "log.backends=[]", "train.parallel=fsdp", "train.skip_zero_advantage=false"]
 
 
 def sft(out_path: str, run_dir: str, parallel: str) -> None:
@@ -136,7 +136,7 @@ def sft(out_path: str, run_dir: str, parallel: str) -> None:
     cfg = load_config(None, [
         "model.name=tiny-llama", "workflow.name=parallel_aggregate", "workflow.options={num_workers: 2}",
         "train.optimizer=sgd", "sft.lr=0.5", "sft.batch_size=3", "sft.epochs=1", "checkpoint.every=0",
-        "log.tensorboard=false", f"train.parallel={parallel}", "sft.data=unused"])
+        "log.backends=[]", f"train.parallel={parallel}", "sft.data=unused"])
     from srpo import build
 
     team = build.team(cfg)

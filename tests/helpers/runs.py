@@ -20,7 +20,7 @@ def tiny(run_dir, extra=()):
     """Overrides of a 3-step run of the tiny model into ``run_dir``, checkpointing every step."""
     return [f"run.output_dir={run_dir}", "run.steps=3", "model.name=tiny-llama", "workflow.max_new_tokens=6",
             "train.tasks_per_step=2", "train.group_size=2", "train.lr=0.01", "task.train.n=8",
-            "checkpoint.every=1", "log.tensorboard=false", "model.autocast_bf16=false", "eval.every=0", *extra]
+            "checkpoint.every=1", "log.backends=[]", "model.autocast_bf16=false", "eval.every=0", *extra]
 
 
 def cli_train(run_dir, extra=(), flags=()):

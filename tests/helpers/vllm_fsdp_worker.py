@@ -58,7 +58,7 @@ def main(out_path: str, run_dir: str, *overrides: str) -> None:
     cfg = load_config(os.path.join(ROOT, "configs/math/parallel_aggregate/srpo.yaml"), [
         f"run.output_dir={run_dir}", "run.steps=1", "model.name=smollm2-135m", "model.autocast_bf16=false",
         "workflow.options={num_workers: 2}", "workflow.max_new_tokens=16", "train.tasks_per_step=2",
-        "train.group_size=2", "task.train.n=4", "log.tensorboard=false", "rollout.engine=vllm",
+        "train.group_size=2", "task.train.n=4", "log.backends=[]", "rollout.engine=vllm",
         "rollout.gpu_memory_utilization=0.1", "train.parallel=fsdp", "train.tis_cap=2.0", "train.lr=1e-3",
         "train.skip_zero_advantage=false", "eval.every=0", "task.eval=[]", *overrides])
     # A reward drawn at random for each episode: this test is about the weights reaching the

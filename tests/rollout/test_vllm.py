@@ -82,7 +82,7 @@ def test_a_team_trains_a_step_on_the_vllm_engine(tmp_path):
     cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "..", "configs/math/parallel_aggregate/srpo.yaml"), [
         f"run.output_dir={tmp_path}", "run.steps=1", "model.name=smollm2-135m", "model.autocast_bf16=false",
         "workflow.options={num_workers: 2}", "workflow.max_new_tokens=24", "train.tasks_per_step=2",
-        "train.group_size=2", "task.train.n=4", "log.tensorboard=false", "rollout.engine=vllm",
+        "train.group_size=2", "task.train.n=4", "log.backends=[]", "rollout.engine=vllm",
         "rollout.gpu_memory_utilization=0.1", "train.tis_cap=2.0", "train.skip_zero_advantage=false",
         "eval.n=4", "eval.k=2"])  # the config evaluates after the last step: through the engine too
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"  # as SETTINGS, for the engine the trainer starts
@@ -197,7 +197,7 @@ def test_staleness_one_on_the_engine_trains_and_resumes_with_its_pending_batch(t
         return load_config(os.path.join(os.path.dirname(__file__), "..", "..", "configs/math/parallel_aggregate/srpo.yaml"), [
             f"run.output_dir={tmp_path}", f"run.steps={steps}", "model.name=smollm2-135m", "model.autocast_bf16=false",
             "workflow.options={num_workers: 2}", "workflow.max_new_tokens=16", "train.tasks_per_step=2",
-            "train.group_size=2", "task.train.n=8", "log.tensorboard=false", "rollout.engine=vllm",
+            "train.group_size=2", "task.train.n=8", "log.backends=[]", "rollout.engine=vllm",
             "rollout.gpu_memory_utilization=0.1", "train.tis_cap=2.0", "train.skip_zero_advantage=false",
             "rollout.max_staleness=1", "checkpoint.every=1", "eval.every=0", "task.eval=[]"])
 

@@ -38,7 +38,7 @@ def varied_reward(task, answer):
 def tiny(tmp_path, extra=()):
     return [f"run.output_dir={tmp_path}", "run.steps=3", "model.name=tiny-llama", "workflow.max_new_tokens=6",
             "train.tasks_per_step=2", "train.group_size=2", "train.lr=0.01", "task.train.n=8",
-            "checkpoint.every=1", "log.tensorboard=false", *extra]
+            "checkpoint.every=1", "log.backends=[]", *extra]
 
 
 # ------------------------------------------------------------------------- fuzzing the parsers

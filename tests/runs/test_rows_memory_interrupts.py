@@ -153,7 +153,7 @@ def test_ctrl_c_while_calls_wait_on_a_frozen_retriever_prints_no_traceback(tmp_p
                          "model.autocast_bf16=false", "workflow.name=always_search:AlwaysSearch",
                          "workflow.max_new_tokens=4", "train.tasks_per_step=2", "train.group_size=2",
                          "task.corpus=''", f"retriever.url=http://127.0.0.1:{server.server_port}/retrieve",
-                         "log.tensorboard=false", "eval.every=0", "task.eval=[]"] for x in ("--set", o)]]
+                         "log.backends=[]", "eval.every=0", "task.eval=[]"] for x in ("--set", o)]]
     env = {**ENV, "PYTHONPATH": f"{ENV['PYTHONPATH']}{os.pathsep}{HELPERS}"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -17,7 +17,7 @@ SEARCH_TEAM = ROOT / "configs" / "search" / "search_team" / "srpo.yaml"
 def sft_overrides(tmp_path, *extra):
     return [f"run.output_dir={tmp_path / 'rl'}", f"sft.output_dir={tmp_path / 'sft'}", "model.name=tiny-llama",
             "model.autocast_bf16=false", "workflow.max_new_tokens=160", "task.train.n=30", "eval.every=0",
-            "checkpoint.every=0", "log.tensorboard=false", "run.steps=1", "train.tasks_per_step=2",
+            "checkpoint.every=0", "log.backends=[]", "run.steps=1", "train.tasks_per_step=2",
             "train.group_size=2", *extra]
 
 

@@ -24,7 +24,7 @@ def varied_reward(task, answer):
 def tiny_overrides(tmp_path, extra=()):
     return [f"run.output_dir={tmp_path}", "run.steps=2", "model.name=tiny-llama", "model.autocast_bf16=false",
             "workflow.max_new_tokens=6", "train.tasks_per_step=2", "train.group_size=2", "train.lr=0.01",
-            "task.train.n=8", "task.eval=[]", "eval.every=0", "checkpoint.every=0", "log.tensorboard=false", *extra]
+            "task.train.n=8", "task.eval=[]", "eval.every=0", "checkpoint.every=0", "log.backends=[]", *extra]
 
 
 def snapshot(trainer):
