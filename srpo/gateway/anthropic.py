@@ -13,7 +13,8 @@ sequence (``message_start`` … ``message_stop``; :func:`message_events`, and to
 (``{"type": "error", "error": {"type", "message"}}``, :func:`srpo.runs.serving.anthropic_error`).
 
 What srpo's models cannot do is refused with a 400 naming the field: images and documents,
-server tools (web search, code execution), extended ``thinking``, ``top_k``.
+server tools (web search, code execution), extended ``thinking``, ``top_k``, and a last assistant
+turn to continue (a prefill).
 """
 
 from __future__ import annotations
@@ -117,6 +118,9 @@ def _messages(body: dict) -> list[dict[str, Any]]:
             messages += _user(blocks, f"{where}.content")
     if not any(m["role"] in ("user", "tool") for m in messages):
         raise ProtocolError("messages: there is no user turn to answer", param="messages")
+    if turns[-1]["role"] == "assistant":  # Anthropic's prefill: the reply would continue that text
+        raise ProtocolError("messages: a last assistant turn (a prefill to continue) is not served; end with a "
+                            "user turn", param="messages")
     return messages
 
 

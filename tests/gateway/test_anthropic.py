@@ -84,6 +84,8 @@ def test_the_event_sequence_is_the_clients_message(claude):
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0]"),
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
     ({"top_k": 5}, "top_k"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]},
+     "messages"),
     ({"tool_choice": {"type": "tool", "name": "nope"}, "tools": [WEATHER]}, "tool_choice"),
 ])
 def test_what_cannot_be_served_is_an_anthropic_shaped_400(claude, extra, param):
