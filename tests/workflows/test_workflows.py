@@ -188,3 +188,16 @@ def test_unknown_workflow_and_option():
         build_workflow("debate")
     with pytest.raises(ValueError, match="num_workers"):
         build_workflow("single", num_workers=3)
+
+
+def test_the_workflow_written_in_the_docs_records_the_events_it_says(capsys):
+    """docs/workflows.md "Writing one": its block runs as written and prints what its comments say."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "workflows.md").read_text()
+    block = re.search(r"```python\n(# a workflow, run on scripted.*?)```", text, re.S)
+    assert block, "the example left docs/workflows.md"
+    exec(compile(block.group(1), "docs/workflows.md", "exec"), {"__name__": "docs_workflow_example"})
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4
+    assert {line for line in lines} == {"[('vote', 3)] 1.0", "[('vote', 3), ('tiebreaker', 1)] 1.0"}
