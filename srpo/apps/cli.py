@@ -114,18 +114,12 @@ def _checkpoint_for_eval(model: str) -> Path | None:
     """The training checkpoint ``--model`` names — a checkpoint folder, a run's ``checkpoints``
     folder or a run folder (its newest complete checkpoint) — or None for a model name or a plain
     HF model folder (which has a config.json too, but no manifest or trainer state)."""
-    from srpo.runs.checkpoint import CONFIG_FILE, MANIFEST, CheckpointError, candidates, is_checkpoint, verify
+    from srpo.runs.checkpoint import CheckpointError, candidates, is_checkpoint, verify
 
     def usable(folder: Path) -> str | None:
-        """What keeps ``folder``'s weights from being evaluated (None: fine).  A checkpoint of an
-        older srpo has no manifest: its weights (safetensors, no code) are still read, with a warning."""
-        problem = verify(folder, digests=False)
-        if problem and not (folder / MANIFEST).exists() and (folder / "model").is_dir() \
-                and (folder / CONFIG_FILE).is_file():
-            logging.getLogger("srpo.apps.cli").warning("%s has no %s (written by an older srpo): its files "
-                                                  "cannot be verified", folder, MANIFEST)
-            return None
-        return problem
+        """What keeps ``folder``'s weights from being evaluated (None: fine): a checkpoint without
+        its manifest is refused like a damaged one."""
+        return verify(folder, digests=False)
 
     path = Path(model)
     if not path.is_dir():

@@ -281,7 +281,7 @@ def verify(path: Path, *, digests: bool = True) -> str | None:
         manifest = json.loads((path / MANIFEST).read_text())
         files = manifest["files"]
     except FileNotFoundError:
-        return f"no {MANIFEST} (an incomplete checkpoint, or one written by an older srpo)"
+        return f"no {MANIFEST} (an incomplete checkpoint: srpo writes it last)"
     except (OSError, ValueError, KeyError, TypeError) as err:
         return f"unreadable {MANIFEST} ({err.__class__.__name__})"
     if manifest.get("format") != FORMAT:

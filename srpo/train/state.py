@@ -155,15 +155,15 @@ def resume(trainer, path: Path | None = None) -> bool:
 
 def check_same_data(trainer, plain: dict[str, Any], checkpoint: Path) -> None:
     """Refuse to resume on data that changed since the checkpoint (the data position would index
-    other rows), unless ``allow_data_change``; a checkpoint from before fingerprints is trusted."""
+    other rows), unless ``allow_data_change``; a checkpoint that records no fingerprint is refused
+    (every checkpoint srpo writes has one)."""
     from srpo.data import fingerprint_changes
     from srpo.tasks.base import DatasetError
 
     recorded = plain.get("data_fingerprint")
     if recorded is None:
-        log.warning("%s records no data fingerprint (written by an older srpo): cannot check that the data is "
-                    "unchanged", checkpoint.name)
-        return
+        raise CheckpointError(f"{checkpoint} records no data fingerprint: it was not written by this srpo, so "
+                              "the data it was trained on cannot be checked; start a new run")
     changes = fingerprint_changes(recorded, trainer.data_fingerprint)
     if not changes:
         return

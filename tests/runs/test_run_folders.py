@@ -625,14 +625,32 @@ def test_fault_soak_in_brief(tmp_path):
     assert summary["ok"], {k: v for k, v in summary.items() if k != "events"}
 
 
-def test_eval_reads_the_weights_of_an_older_checkpoint_without_a_manifest(tmp_path, caplog):
+def test_a_checkpoint_without_its_manifest_or_fingerprint_is_refused_by_name(tmp_path, capsys):
+    """Nothing is released that wrote checkpoints without them: eval and resume refuse such a
+    folder with the reason, and nothing of it is read."""
+    import hashlib
+
     run = tmp_path / "run"
     trained(run, ["run.steps=1"])
-    (run / "checkpoints" / "step_0000001" / "manifest.json").unlink()  # as written by srpo before format 2
-    with caplog.at_level("WARNING"):
-        assert main(["eval", "--model", str(run), "--data", "synthetic_arithmetic:level=1:n=1", "-k", "1",
-                     "--max-new-tokens", "2"]) == 0
-    assert "written by an older srpo" in caplog.text
+    latest = run / "checkpoints" / "step_0000001"
+    manifest_text = (latest / "manifest.json").read_text()
+    (latest / "manifest.json").unlink()
+    assert main(["eval", "--model", str(latest), "--data", "synthetic_arithmetic:level=1:n=1", "-k", "1",
+                 "--max-new-tokens", "2"]) != 0
+    assert "step_0000001: no manifest.json (an incomplete checkpoint" in capsys.readouterr().err
+
+    state = latest / "trainer_state.json"  # a manifest that vouches for a state without a fingerprint
+    plain = json.loads(state.read_text())
+    assert plain.pop("data_fingerprint")
+    state.write_text(json.dumps(plain))
+    manifest = json.loads(manifest_text)
+    manifest["files"]["trainer_state.json"] = {"size": state.stat().st_size,
+                                               "sha256": hashlib.sha256(state.read_bytes()).hexdigest()}
+    (latest / "manifest.json").write_text(json.dumps(manifest))
+    trainer = Trainer(load_config(None, tiny(run, ["run.steps=2"])), progress=False)
+    with pytest.raises(ckpt.CheckpointError, match="records no data fingerprint"):
+        trainer.resume()
+    trainer.close()
 
 
 @pytest.mark.parametrize("limit", [300_000, 500_000], ids=["safetensors-file", "torch-zip-file"])
