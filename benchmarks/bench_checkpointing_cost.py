@@ -17,12 +17,12 @@ per step and per update, and the process's peak resident memory.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+from _child import report, run_child  # benchmarks/_child.py: the child-process protocol
 
 VARIANTS = {  # name → (train.activation_checkpointing, extra environment)
     "on (default)": (True, {}),
@@ -40,8 +40,8 @@ def child(checkpointing: bool, steps: int, threads: int, forward_all: bool) -> N
 
     res = bench_vs_trl.run_ours(steps, threads, skip_zero_advantage=not forward_all,
                                 train={"activation_checkpointing": checkpointing})
-    print("RESULT " + json.dumps({"step_s": res["step_s"][1:], "update_s": res["update_s"][1:],
-                                  "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
+    report({"step_s": res["step_s"][1:], "update_s": res["update_s"][1:],
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20})
 
 
 def main() -> None:
@@ -62,13 +62,8 @@ def main() -> None:
             if args.only and name not in args.only:
                 continue
             env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), **extra}
-            out = subprocess.run([sys.executable, __file__, "--child", "on" if on else "off", "--steps", str(args.steps),
-                                  "--threads", str(args.threads), "--work", args.work],
-                                 capture_output=True, text=True, env=env)
-            line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-            if out.returncode or not line:
-                raise SystemExit(f"{name} failed:\n{out.stderr[-3000:]}")
-            d = json.loads(line[-1][len("RESULT "):])
+            d = run_child([__file__, "--child", "on" if on else "off", "--steps", args.steps,
+                           "--threads", args.threads, "--work", args.work], env=env, what=name)
             print(f"{r + 1:<6}{name:<24}{statistics.median(d['step_s']):>8.2f}{statistics.median(d['update_s']):>10.2f}"
                   f"{d['peak_rss_gb']:>9.2f}", flush=True)
 

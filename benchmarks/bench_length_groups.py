@@ -18,10 +18,11 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from _child import report, run_child  # benchmarks/_child.py: the child-process protocol
 
 SETTINGS = {"4 groups, a call = 16 tokens": (4, 16), "4 groups, a call = 128 tokens": (4, 128),
             "1 group": (1, 128)}
@@ -62,8 +63,8 @@ def child(work: str, groups: int, overhead: int) -> None:
         trainer = Trainer(srpo.build.config_from_dict(cfg), progress=False)
         trainer.save = lambda: None
         updates = [h["time/update_s"] for h in trainer.fit()][1:]
-    print("RESULT " + json.dumps({"update_s": updates, "groups": statistics.mean(made) if made else 0,
-                                  "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
+    report({"update_s": updates, "groups": statistics.mean(made) if made else 0,
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20})
 
 
 def main() -> None:
@@ -80,12 +81,7 @@ def main() -> None:
     for work in args.work:
         for r in range(args.rounds):
             for name, (groups, overhead) in SETTINGS.items():
-                out = subprocess.run([sys.executable, __file__, "--child", work, str(groups), str(overhead)],
-                                     capture_output=True, text=True, env=env)
-                line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-                if out.returncode or not line:
-                    raise SystemExit(f"{work} / {name} failed:\n{out.stderr[-3000:]}")
-                d = json.loads(line[-1][len("RESULT "):])
+                d = run_child([__file__, "--child", work, groups, overhead], env=env, what=f"{work} / {name}")
                 print(f"{work:<6}{r + 1:<7}{name:<32}{statistics.median(d['update_s']):>18.2f}{d['groups']:>15.2f}"
                       f"{d['peak_rss_gb']:>9.2f}  {[round(x, 2) for x in d['update_s']]}", flush=True)
 

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from _child import report, run_child  # benchmarks/_child.py: the child-process protocol
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,18 +75,16 @@ def main() -> int:
     parser.add_argument("--out", default="runs/bench_overlap.json")
     args = parser.parse_args()
     if args.child is not None:
-        print(json.dumps(child(args.child, args.threads, args.steps, args.k, args.run_dir, args.tis_cap)))
+        report(child(args.child, args.threads, args.steps, args.k, args.run_dir, args.tis_cap))
         return 0
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for staleness in (0, 1):
-                out = subprocess.run([sys.executable, __file__, "--child", str(staleness), "--threads", str(args.threads),
-                                      "--steps", str(args.steps), "-k", str(args.k), "--tis-cap", str(args.tis_cap),
-                                      "--run-dir", f"{tmp}/r{r}-s{staleness}"],
-                                     capture_output=True, text=True, check=True, env={"PYTHONPATH": str(ROOT),
-                                                                                      **__import__("os").environ})
-                row = {"round": r, **json.loads(out.stdout.strip().splitlines()[-1])}
+                measured = run_child([__file__, "--child", staleness, "--threads", args.threads, "--steps", args.steps,
+                                      "-k", args.k, "--tis-cap", args.tis_cap, "--run-dir", f"{tmp}/r{r}-s{staleness}"],
+                                     env={"PYTHONPATH": str(ROOT), **os.environ}, what=f"max_staleness {staleness}")
+                row = {"round": r, **measured}
                 results.append(row)
                 print(json.dumps(row), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

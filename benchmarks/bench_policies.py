@@ -10,14 +10,13 @@ size (ru_maxrss) during the pass minus the resident size just before it, for a (
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
+
+from _child import report, run_child  # benchmarks/_child.py: the child-process protocol
 
 
 def rss_mb() -> float:
@@ -54,12 +53,12 @@ def main() -> None:
     ap.add_argument("--child", default="")
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(memory_child(args.child, args.threads)))
+        report(memory_child(args.child, args.threads))
         return
     import torch
 
     torch.set_num_threads(args.threads)
-    from srpo.policies import load_model, registry
+    from srpo.policies import load_model
     from srpo.policies.sampling import sample
     from srpo.types import SamplingParams
 
@@ -93,8 +92,7 @@ def main() -> None:
             rows.append((f"sampling, batch {batch}, {'bf16 autocast' if autocast else 'float32'}",
                          f"{n / dt:.1f} tokens/s ({n} tokens in {dt:.1f} s)"))
     for mode in ("plain", "chunked"):
-        res = json.loads(subprocess.run([sys.executable, __file__, "--child", mode, "--threads", str(args.threads)],
-                                        capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+        res = run_child([__file__, "--child", mode, "--threads", args.threads], what=mode)
         rows.append((f"log-prob pass (16, 256) fwd+bwd, {mode}",
                      f"peak +{res['peak_over_baseline_mb']:.0f} MB over the loaded model, {res['seconds']:.1f} s"))
     print(f"torch threads: {args.threads}; torch {torch.__version__}; {os.cpu_count()} CPUs\n")

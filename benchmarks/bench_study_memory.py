@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from _child import report, run_child  # benchmarks/_child.py: the child-process protocol
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,8 +77,7 @@ def child(args) -> None:
             (run_cell if in_process else run_cell_in_process)(spec, cell, root, progress=False)
             curve.append(rss_gb())
             print(f"{args.child}: after cell {len(curve) - 1}: {curve[-1]:.2f} GB", file=sys.stderr, flush=True)
-    print(json.dumps({"curve": curve, "peak_self": peak_gb(resource.RUSAGE_SELF),
-                      "peak_cells": peak_gb(resource.RUSAGE_CHILDREN)}))
+    report({"curve": curve, "peak_self": peak_gb(resource.RUSAGE_SELF), "peak_cells": peak_gb(resource.RUSAGE_CHILDREN)})
 
 
 def main() -> None:
@@ -93,12 +93,8 @@ def main() -> None:
         return
     curves = {}
     for mode in ("in-process", "cell-process"):
-        out = subprocess.run([sys.executable, __file__, "--child", mode, "--cells", str(args.cells), "--steps",
-                              str(args.steps), "--threads", str(args.threads), "--model", args.model],
-                             capture_output=True, text=True, cwd=ROOT)
-        if out.returncode != 0:
-            raise SystemExit(out.stderr[-3000:])
-        curves[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+        curves[mode] = run_child([__file__, "--child", mode, "--cells", args.cells, "--steps", args.steps,
+                                  "--threads", args.threads, "--model", args.model], cwd=ROOT, what=mode)
     peaks = {mode: (c["peak_self"], c["peak_cells"]) for mode, c in curves.items()}
     curves = {mode: c["curve"] for mode, c in curves.items()}
     print(f"study process RSS (GB) after each cell — {args.cells} cells of {args.model}, {args.steps} step(s) each, "

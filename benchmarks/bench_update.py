@@ -17,12 +17,11 @@ to the OS.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
-import subprocess
-import sys
 import time
+
+from _child import report, run_child  # benchmarks/_child.py: the child-process protocol
 
 
 def rss_mb() -> float:
@@ -93,7 +92,7 @@ def main() -> None:
                          "raises the threshold as blocks are freed and keeps them in its heap)")
     args = ap.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(child(args.child, args.threads)))
+        report(child(args.child, args.threads))
         return
     import torch
 
@@ -106,12 +105,7 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|")
     for mode in args.modes.split(","):
         env = dict(os.environ, **({"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold else {}))
-        out = subprocess.run([sys.executable, __file__, "--child", mode, "--threads", str(args.threads)],
-                             capture_output=True, text=True, env=env)
-        line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-        if not line:
-            raise SystemExit(out.stderr[-3000:])
-        r = json.loads(line[-1][7:])
+        r = run_child([__file__, "--child", mode, "--threads", args.threads], env=env, what=mode)
         rate = r["flops"] / r["seconds"]
         peak = peaks["bfloat16" if mode.startswith("bf16") else "float32"]
         print(f"| {mode} | {r['seconds']:.1f} | {rate / 1e9:.0f} | {rate / peak:.2f} | {r['peak_rss_mb'] / 1024:.2f} GB "

@@ -25,10 +25,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
+
+from _child import report, run_child  # benchmarks/_child.py: the child-process protocol
 
 PROMPTS_PER_STEP, SAMPLES, MAX_NEW, LR, SEED = 2, 8, 64, 1e-5, 0
 # The kernels that do a step's arithmetic (weight matmuls, fused attention): their own (self) time.
@@ -195,18 +195,14 @@ def main() -> None:
 
         res = SIDES[args.child][1](args.steps, args.threads)
         res["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-        print("RESULT " + json.dumps(res))
+        report(res)
         return
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     runs: dict[str, list[dict]] = {side: [] for side in SIDES}
     for r in range(args.rounds):
         for side in SIDES:
-            proc = subprocess.run([sys.executable, __file__, "--child", side, "--steps", str(args.steps),
-                                   "--threads", str(args.threads)], capture_output=True, text=True, env=env)
-            line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-            if proc.returncode or not line:
-                raise SystemExit(f"{side} failed:\n{proc.stderr[-3000:]}")
-            res = json.loads(line[-1][len("RESULT "):])
+            res = run_child([__file__, "--child", side, "--steps", args.steps, "--threads", args.threads],
+                            env=env, what=side)
             runs[side].append(res)
             split = (f" (rollout {[round(x, 1) for x in res['rollout_s']]}, update {[round(x, 1) for x in res['update_s']]})"
                      if "rollout_s" in res else "")
