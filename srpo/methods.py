@@ -42,20 +42,16 @@ class Method:
             raise ValueError(f"group_by field {bad[0]!r} is not valid; valid: {', '.join(GROUP_FIELDS)}")
 
 
-def _adopt_method(obj) -> dict:
+def _is_method(obj) -> None:
     if not isinstance(obj, Method):
         raise TypeError("expected an srpo.methods.Method(loss, group_by, per_member)")
-    return {}
+    if obj.loss not in LOSSES:
+        raise TypeError(f"unknown loss {obj.loss!r}; valid: {', '.join(LOSSES.names())}")
 
 
-#: name → :class:`Method`.  Add one with :func:`register_method`, or name one by import path.
-METHODS: Registry[Method] = Registry("method", adopt=_adopt_method)
-
-
-def register_method(name: str, method: Method) -> Method:
-    if method.loss not in LOSSES:
-        raise ValueError(f"method {name!r}: unknown loss {method.loss!r}; valid: {', '.join(LOSSES.names())}")
-    return METHODS.register(name, method)
+#: name → :class:`Method`: ``register_method(name, Method(...))``, or name one by import path.
+METHODS: Registry[Method] = Registry("method", accepts=_is_method)
+register_method = METHODS.register
 
 
 register_method("srpo", Method("srpo", ("task", "event_type", "turn")))

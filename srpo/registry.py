@@ -1,37 +1,44 @@
 """Named, self-describing extension points: losses, methods, workflows, task kinds, fast decoders,
 engines, parallel backends, trackers, tool-call and reasoning parsers.
 
-Every registry maps a name to an object *and its metadata* (a loss's update unit, a workflow's
-option fields and whether it needs a retriever, ...), so nothing else has to keep a parallel
-table.  A config may name a registered entry (``workflow.name: routed``) or give an import path
+Every kind of part has one registry, and every registry is registered into one way:
+``register_<kind>(name, obj, **capabilities)`` — or, without ``obj``, as a decorator,
+``@register_<kind>(name, **capabilities)``.  The capabilities are the kind's one frozen dataclass
+(a loss's update unit, an engine's ``holds_own_weights``, a tracker's ``requires``, ...), and
+every reader asks ``REGISTRY.capabilities(name)`` — no parallel table, no class attribute saying
+the same thing.  A kind whose objects state a fact themselves (a workflow's option fields and
+``needs_retriever``) has it read from the object once, at registration.
+
+A config may name a registered entry (``workflow.name: routed``) or give an import path
 ``package.module:attribute`` (``workflow.name: mypkg.teams:Debate``): the module is imported (its
 decorators register what it defines) and the attribute is looked up; an object that was not
-registered by a decorator is accepted when the registry knows how to read its metadata from the
-object itself (a :class:`~srpo.workflows.builtins.Workflow` subclass, a :class:`TaskKind`, a
-reward function) — so users extend srpo without forking it.
-
-The registries themselves live next to what they hold:
+registered is accepted when it is of the kind (its capabilities then come from its own
+``capabilities`` attribute, or what the kind reads from it, or the defaults) — so users extend
+srpo without forking it.
 
 =====================  ==========================================  ==========================================
-registry               where                                       decorator / function
+registry               where                                       capabilities
 =====================  ==========================================  ==========================================
-``LOSSES``             :mod:`srpo.objective.losses`                ``@register_loss(name, unit=)``
-``METHODS``            :mod:`srpo.methods`                         ``register_method(name, Method)``
-``WORKFLOWS``          :mod:`srpo.workflows.builtins`              ``@register_workflow``
-``TASK_KINDS``         :mod:`srpo.tasks.kinds`                     ``register_task_kind(TaskKind)``
-``FAST_DECODERS``      :mod:`srpo.policies.fast_decode`            ``@register_fast_decoder(model_type)``
-``ENGINES``            :mod:`srpo.rollout.engine`                  ``@register_engine(name, **capabilities)``
-``BACKENDS``           :mod:`srpo.parallel.base`                   ``@register_backend(name, **capabilities)``
-``TRACKERS``           :mod:`srpo.runs.trackers`                   ``@register_tracker(name)``
-``TOOL_PARSERS``       :mod:`srpo.gateway.parsers`                 ``register_tool_parser(name, ToolParser)``
-``REASONING_PARSERS``  :mod:`srpo.gateway.parsers`                 ``register_reasoning_parser(name, ...)``
+``LOSSES``             :mod:`srpo.objective.losses`                ``LossCapabilities(unit)``
+``METHODS``            :mod:`srpo.methods`                         none (the ``Method`` says it all)
+``WORKFLOWS``          :mod:`srpo.workflows.builtins`              ``WorkflowCapabilities`` (read from the class)
+``TASK_KINDS``         :mod:`srpo.tasks.kinds`                     none (the ``TaskKind`` says it all)
+``FAST_DECODERS``      :mod:`srpo.policies.fast_decode`            none (one entry per ``config.model_type``)
+``ENGINES``            :mod:`srpo.rollout.engine`                  ``EngineCapabilities``
+``BACKENDS``           :mod:`srpo.parallel.base`                   ``BackendCapabilities``
+``TRACKERS``           :mod:`srpo.runs.trackers`                   ``TrackerCapabilities(requires)``
+``TOOL_PARSERS``       :mod:`srpo.gateway.parsers`                 none
+``REASONING_PARSERS``  :mod:`srpo.gateway.parsers`                 none
 =====================  ==========================================  ==========================================
+
+Each module exports its kind's ``register_<kind> = REGISTRY.register``.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
 T = TypeVar("T")
@@ -67,57 +74,71 @@ def import_object(path: str) -> Any:
     return obj
 
 
-def parts_registry(what: str, capabilities_type: type, needs: str) -> tuple["Registry", Callable]:
-    """A registry of the classes a run builds with ``from_config`` (rollout engines, parallel
-    backends), each registered with an instance of ``capabilities_type`` that the config checks ask
-    instead of its name.  Returns ``(registry, register)``: ``@register(*names, **capabilities)``
-    registers a class (and sets its ``capabilities``); a class named by import path without it is
-    accepted with its own ``capabilities`` attribute, or the defaults.  ``needs`` says, in an
-    error, what such a class must have."""
-    def adopt(obj: Any) -> dict:
-        if not isinstance(obj, type) or not callable(getattr(obj, "from_config", None)):
-            raise TypeError(f"expected a {what} class with {needs}")
-        caps = getattr(obj, "capabilities", capabilities_type())
-        if not isinstance(caps, capabilities_type):
-            raise TypeError(f"its capabilities attribute must be a {capabilities_type.__module__}."
-                            f"{capabilities_type.__qualname__}")
-        return {"capabilities": caps}
+@dataclass(frozen=True)
+class NoCapabilities:
+    """The capabilities of a kind whose objects say everything about themselves."""
 
-    registry: Registry = Registry(what, adopt=adopt)
 
-    def register(*names: str, **capabilities: Any):
-        caps = capabilities_type(**capabilities)
-
-        def decorate(cls):
-            cls.capabilities = caps
-            for name in names:
-                registry.register(name, cls, capabilities=caps)
-            return cls
-        return decorate
-    return registry, register
+_NO_OBJECT = object()
 
 
 class Registry(Mapping[str, T], Generic[T]):
-    """name → object, each with a metadata dict; names may be import paths (see the module doc).
+    """name → object, each with its kind's capabilities; names may be import paths (module doc).
 
-    ``adopt(obj) -> metadata`` reads the metadata of an object named by import path that no
-    decorator registered; it raises ``TypeError`` (with a message saying what is expected) for
-    an object this registry cannot hold.  Without it, import-path objects must be registered.
+    ``capabilities``: the kind's frozen dataclass.  ``accepts(obj)`` raises ``TypeError`` (saying
+    what is expected) for an object this registry cannot hold, at registration and for an import
+    path.  ``reads(obj) -> dict``: capability fields an object states itself (read once, here).
+    ``names_classes``: a registered class gets ``name`` (the name it was registered under first).
+    A class also gets ``capabilities``, so an instance can ask ``self.capabilities``.
     """
 
-    def __init__(self, what: str, adopt: Callable[[Any], dict] | None = None):
+    def __init__(self, what: str, capabilities: type = NoCapabilities, *,
+                 accepts: Callable[[Any], None] | None = None, reads: Callable[[Any], dict] | None = None,
+                 names_classes: bool = False):
         self.what = what
-        self._adopt = adopt
+        self.capabilities_type = capabilities
+        self._accepts = accepts
+        self._reads = reads
+        self._names_classes = names_classes
         self._objects: dict[str, T] = {}
-        self._meta: dict[str, dict[str, Any]] = {}
+        self._caps: dict[str, Any] = {}
 
     # -- registration
-    def register(self, name: str, obj: T, **meta: Any) -> T:
+    def register(self, name: str, obj: Any = _NO_OBJECT, /, **capabilities: Any):
+        """Register ``obj`` under ``name`` with ``capabilities`` (fields of the kind's dataclass);
+        without ``obj``, a decorator that does so and returns the object."""
+        if obj is _NO_OBJECT:
+            return lambda target: self.register(name, target, **capabilities)
         if name in self._objects and self._objects[name] is not obj:
             raise RegistryError(f"{self.what} {name!r} is already registered")
-        self._objects[name] = obj
-        self._meta[name] = dict(meta)
+        if self._accepts is not None:
+            self._accepts(obj)
+        caps = self.capabilities_type(**{**(self._reads(obj) if self._reads else {}), **capabilities})
+        if isinstance(obj, type):
+            if self._names_classes and obj not in self._objects.values():
+                obj.name = name
+            obj.capabilities = caps
+        self._objects[name], self._caps[name] = obj, caps
         return obj
+
+    def unregister(self, name: str) -> None:
+        """Forget ``name`` (a module reloaded in a notebook may then register it again)."""
+        self._objects.pop(name, None)
+        self._caps.pop(name, None)
+
+    def _adopt(self, name: str, obj: Any) -> None:
+        """An object named by import path that no decorator registered."""
+        try:
+            if self._accepts is not None:
+                self._accepts(obj)
+        except TypeError as err:
+            raise RegistryError(f"{name!r} cannot be used as a {self.what}: {err}") from None
+        own = getattr(obj, "capabilities", None)
+        if own is not None and not isinstance(own, self.capabilities_type):
+            raise RegistryError(f"{name!r}: its capabilities attribute must be a {self.capabilities_type.__module__}."
+                                f"{self.capabilities_type.__qualname__}")
+        caps = own if own is not None else self.capabilities_type(**(self._reads(obj) if self._reads else {}))
+        self._objects[name], self._caps[name] = obj, caps
 
     # -- lookup
     def resolve(self, name: str) -> str:
@@ -128,21 +149,18 @@ class Registry(Mapping[str, T], Generic[T]):
             raise RegistryError(f"unknown {self.what} {name!r}; valid: {', '.join(self.names())} "
                                 f"(or an import path, package.module:attribute)")
         obj = import_object(name)
-        for known, o in self._objects.items():  # registered by a decorator when its module was imported
+        for known, o in list(self._objects.items()):  # registered by a decorator when its module was imported
             if o is obj:
-                self._objects[name], self._meta[name] = o, self._meta[known]
+                self._objects[name], self._caps[name] = o, self._caps[known]
                 return name
-        if self._adopt is None:
+        if self._accepts is None and self._reads is None and self.capabilities_type is NoCapabilities:
             raise RegistryError(f"{name!r} is not a registered {self.what}; register it where it is defined")
-        try:
-            meta = self._adopt(obj)
-        except TypeError as err:
-            raise RegistryError(f"{name!r} cannot be used as a {self.what}: {err}") from None
-        self.register(name, obj, **meta)
+        self._adopt(name, obj)
         return name
 
-    def meta(self, name: str) -> dict[str, Any]:
-        return self._meta[self.resolve(name)]
+    def capabilities(self, name: str) -> Any:
+        """The capabilities ``name`` was registered with (an instance of the kind's dataclass)."""
+        return self._caps[self.resolve(name)]
 
     def names(self) -> list[str]:
         """The registered names (not the import paths resolved so far)."""

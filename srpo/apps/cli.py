@@ -262,7 +262,7 @@ def _eval(args) -> int:
     workflow_ = data["workflow"]
     kind = args.kind
     if kind is None and workflow_["name"] in WORKFLOWS:
-        kind = WORKFLOWS[workflow_["name"]].kind if WORKFLOWS.meta(workflow_["name"])["needs_retriever"] else None
+        kind = WORKFLOWS[workflow_["name"]].kind if WORKFLOWS.capabilities(workflow_["name"]).needs_retriever else None
     if kind is None:  # from the data: graded by the wrong kind, a dataset scores silently wrong
         kinds = {k for k in (guess_kind(s) for s in sources) if k}
         if len(kinds) > 1:

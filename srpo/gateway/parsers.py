@@ -53,30 +53,20 @@ class ReasoningParser:
     split: Callable[[str], tuple[str, str]]
 
 
-def _adopt(kind: type) -> Callable[[Any], dict]:
-    def adopt(obj: Any) -> dict:
+def _instance_of(kind: type, fields: str) -> Callable[[Any], None]:
+    def accepts(obj: Any) -> None:
         if not isinstance(obj, kind):
-            raise TypeError(f"expected an srpo.gateway.parsers.{kind.__name__}")
-        return {}
-    return adopt
+            raise TypeError(f"expected an srpo.gateway.parsers.{kind.__name__}({fields})")
+    return accepts
 
 
-#: name → :class:`ToolParser`.  Add one with :func:`register_tool_parser`, or name one by import path.
-TOOL_PARSERS: Registry[ToolParser] = Registry("tool parser", adopt=_adopt(ToolParser))
-#: name → :class:`ReasoningParser`.  Add one with :func:`register_reasoning_parser`, or by import path.
-REASONING_PARSERS: Registry[ReasoningParser] = Registry("reasoning parser", adopt=_adopt(ReasoningParser))
-
-
-def register_tool_parser(name: str, parser: ToolParser) -> ToolParser:
-    if not isinstance(parser, ToolParser):
-        raise TypeError(f"tool parser {name!r}: expected a ToolParser(parse=..., start=...)")
-    return TOOL_PARSERS.register(name, parser)
-
-
-def register_reasoning_parser(name: str, parser: ReasoningParser) -> ReasoningParser:
-    if not isinstance(parser, ReasoningParser):
-        raise TypeError(f"reasoning parser {name!r}: expected a ReasoningParser(split=...)")
-    return REASONING_PARSERS.register(name, parser)
+#: name → :class:`ToolParser`: ``register_tool_parser(name, ToolParser(...))``, or an import path.
+TOOL_PARSERS: Registry[ToolParser] = Registry("tool parser", accepts=_instance_of(ToolParser, "parse=..., start=..."))
+register_tool_parser = TOOL_PARSERS.register
+#: name → :class:`ReasoningParser`: ``register_reasoning_parser(name, ReasoningParser(...))``, or an import path.
+REASONING_PARSERS: Registry[ReasoningParser] = Registry("reasoning parser",
+                                                        accepts=_instance_of(ReasoningParser, "split=..."))
+register_reasoning_parser = REASONING_PARSERS.register
 
 
 def split_think(text: str) -> tuple[str, str]:

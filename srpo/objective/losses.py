@@ -43,26 +43,35 @@ MEMBER_REDUCTIONS = ("sum", "mean")
 UNITS = ("event", "member", "token")
 
 LossFn = Callable[..., "tuple[torch.Tensor, Metrics]"]
-#: name → loss function, each with its ``unit``: what it ratios, clips and averages over (the
-#: global ``normalizer`` counts these, and mini-batches split on whole events either way).
-LOSSES: Registry[LossFn] = Registry("loss")
 
 
-def register_loss(name: str, *, unit: str) -> Callable[[LossFn], LossFn]:
-    """Register ``fn(batch: MemberBatch, *, clip_low, clip_high, normalizer, kl_coef) -> (loss, Metrics)``
-    under ``name``; ``unit`` is its update unit, ``event``, ``member`` or ``token``."""
-    if unit not in UNITS:
-        raise ValueError(f"loss {name!r}: unit {unit!r} is not valid; valid: {', '.join(UNITS)}")
+@dataclass(frozen=True)
+class LossCapabilities:
+    """``unit``: what the loss ratios, clips and averages over — ``event``, ``member`` or ``token``
+    (the global ``normalizer`` counts these; mini-batches split on whole events either way)."""
 
-    def decorator(fn: LossFn) -> LossFn:
-        return LOSSES.register(name, fn, unit=unit)
+    unit: str
 
-    return decorator
+    def __post_init__(self):
+        if self.unit not in UNITS:
+            raise ValueError(f"unit {self.unit!r} is not valid; valid: {', '.join(UNITS)}")
+
+
+def _is_loss(obj) -> None:
+    if not callable(obj):
+        raise TypeError("expected a loss function fn(batch, *, clip_low, clip_high, normalizer, kl_coef) "
+                        "-> (loss, Metrics), registered with @register_loss(name, unit=...)")
+
+
+#: name → loss ``fn(batch: MemberBatch, *, clip_low, clip_high, normalizer, kl_coef) -> (loss,
+#: Metrics)``, each with its :class:`LossCapabilities`: ``@register_loss(name, unit=...)``.
+LOSSES: Registry[LossFn] = Registry("loss", LossCapabilities, accepts=_is_loss)
+register_loss = LOSSES.register
 
 
 def update_unit(loss: str) -> str:
     """The update unit of a registered loss (or an import path to one)."""
-    return LOSSES.meta(loss)["unit"]
+    return LOSSES.capabilities(loss).unit
 
 
 def _check_choice(kind: str, value: str, valid) -> None:

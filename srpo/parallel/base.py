@@ -17,8 +17,8 @@ What a backend does for the training loop:
 - ``gathered(policies)``: full parameters for a rollout or an evaluation;
 - ``reduce_gradients(params)``: make every rank's gradients the sum over ranks;
 - ``idle_pass(policies, policy_ids, grad)``: what a rank with nothing to forward must still run
-  so that no other rank waits in a collective (FSDP's all-gathers); ``needs_idle_pass``;
-- ``sharded_optimizer_state``, ``save_sharded``/``load_sharded``: checkpoints of sharded state;
+  so that no other rank waits in a collective (FSDP's all-gathers), when ``capabilities.shards_parameters``;
+- ``save_sharded``/``load_sharded``: checkpoints of sharded state (``capabilities.shards_parameters``);
   ``full_state_dicts(policies)``: every policy's full weights on rank 0, for an HF-format save;
 - ``close()``: a clean teardown.
 
@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from srpo.registry import parts_registry
+from srpo.registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -48,21 +48,29 @@ log = logging.getLogger(__name__)
 class BackendCapabilities:
     """What the config checks and the assembly may ask of a backend (instead of its name)."""
 
-    #: Parameters are sharded across ranks: models are built on the CPU (each unit's shard then
-    #: moves to the device), and a sampler on the trainer's weights would need a full copy per rank.
+    #: Parameters — and with them gradients and optimizer state — are sharded across ranks: models
+    #: are built on the CPU (each unit's shard then moves to the device); a sampler on the trainer's
+    #: weights would need a full copy per rank; a rank with nothing to forward still runs an idle
+    #: pass (the others wait in its all-gathers); checkpoints save the optimizer state sharded.
     shards_parameters: bool = False
     #: The device types it runs on (``run.device``).
     devices: tuple[str, ...] = ("cpu", "cuda")
 
 
-#: name → parallel backend class (with ``from_config``), each with its ``capabilities``;
-#: ``@register_backend(*names, **capabilities)`` adds one (:func:`srpo.registry.parts_registry`).
-BACKENDS, register_backend = parts_registry(
-    "parallel backend", BackendCapabilities, "from_config(cfg) (a subclass of srpo.parallel.base.SingleProcess)")
+def _is_backend(obj) -> None:
+    if not isinstance(obj, type) or not callable(getattr(obj, "from_config", None)):
+        raise TypeError("expected a parallel backend class with from_config(cfg) "
+                        "(a subclass of srpo.parallel.base.SingleProcess)")
+
+
+#: name → parallel backend class (with ``from_config``), each with its :class:`BackendCapabilities`
+#: (also its class's ``capabilities``): ``@register_backend(name, **capabilities)``.
+BACKENDS: Registry[type] = Registry("parallel backend", BackendCapabilities, accepts=_is_backend, names_classes=True)
+register_backend = BACKENDS.register
 
 
 def backend_capabilities(name: str) -> BackendCapabilities:
-    return BACKENDS.meta(name)["capabilities"]
+    return BACKENDS.capabilities(name)
 
 
 def global_norm_value(norm: torch.Tensor) -> torch.Tensor:
@@ -81,8 +89,6 @@ class SingleProcess:
     enabled = False
     rank = 0
     world = 1
-    needs_idle_pass = False
-    sharded_optimizer_state = False
     capabilities = BackendCapabilities()
 
     @classmethod
@@ -180,8 +186,6 @@ def _leave_together(store, world: int, timeout_s: float = 30.0) -> None:
 @register_backend("ddp")
 class DataParallel(SingleProcess):
     """``torchrun`` ranks with full copies; gradients summed with ``all_reduce``."""
-
-    name = "ddp"
 
     HEARTBEAT_S = 1.0  # how often each rank says it is alive (in the process group's store)
     STORE_TIMEOUT_S = 5.0  # the heartbeat's own store client gives up on a call after this long

@@ -203,10 +203,6 @@ class AdaptersOffPass:
 class FullyShardedDataParallel(DataParallel):
     """The FSDP2 backend (``train.parallel: fsdp``): every policy's model sharded across ranks."""
 
-    name = "fsdp"
-    needs_idle_pass = True
-    sharded_optimizer_state = True
-
     #: Length groups per pass when train.length_groups is unset: on the demo's work under 2 gloo
     #: ranks (benchmarks/bench_fsdp_padding.py) 2 groups ran 0.71× the token slots of one padded
     #: call and updated 1.20× faster; 4 groups ran 0.47× the slots but their extra all-gathers

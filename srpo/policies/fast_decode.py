@@ -32,7 +32,7 @@ steps, 2026-12-02) with the same logits bit for bit — a small gain: each small
 costs its dispatch, and most of them remain.
 
 Decoders are registered per ``config.model_type`` in :data:`FAST_DECODERS`
-(``@register_fast_decoder("llama", "qwen2")``); a decoder class takes the model in its constructor,
+(``@register_fast_decoder("llama")``, one decorator per model type); a decoder class takes the model in its constructor,
 says in ``supports(model)`` whether it can run that particular model, and implements ``start``,
 ``pack_weights`` and ``step`` as :class:`FastDecoder` does.  Another architecture with the Llama
 layout (Mistral, ...) registers :class:`FastDecoder` itself or a subclass; docs/extending.md
@@ -52,17 +52,10 @@ import torch.nn.functional as F
 from srpo.policies.attention import ATTENTION_NAME
 from srpo.registry import Registry
 
-#: ``config.model_type`` → decoder class (constructor ``cls(model)``, ``cls.supports(model)``).
+#: ``config.model_type`` → decoder class (constructor ``cls(model)``, ``cls.supports(model)``):
+#: ``@register_fast_decoder(model_type)``, once per model type the class decodes.
 FAST_DECODERS: Registry[type] = Registry("fast decoder")
-
-
-def register_fast_decoder(*model_types: str):
-    """Class decorator: use this decoder for models whose ``config.model_type`` is one of these."""
-    def decorator(cls):
-        for model_type in model_types:
-            FAST_DECODERS.register(model_type, cls)
-        return cls
-    return decorator
+register_fast_decoder = FAST_DECODERS.register
 
 
 def llama_layout_supported(model) -> bool:
@@ -148,7 +141,8 @@ class DecodeState:
         self.values = [v[rows] for v in self.values]
 
 
-@register_fast_decoder("llama", "qwen2")
+@register_fast_decoder("llama")
+@register_fast_decoder("qwen2")
 class FastDecoder:
     """The one-token decode step of one Llama-family model."""
 

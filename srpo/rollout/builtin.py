@@ -16,9 +16,6 @@ from srpo.rollout.engine import register_engine
 
 @register_engine("builtin")
 class BuiltinEngine:
-    name = "builtin"
-    reads_trainer_weights = True  # it samples from the policies' own (live) parameters
-
     def __init__(self, policies: PolicySet):
         self.policies = policies
 

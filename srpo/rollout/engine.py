@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from srpo.registry import parts_registry
+from srpo.registry import Registry
 
 from srpo.types import GenerationRequest, Sample
 
@@ -47,10 +47,8 @@ class EngineDied(RuntimeError):
 
 
 class RolloutEngine(Protocol):
-    name: str
-    #: True when the engine samples from the trainer's own parameters (so an FSDP run gathers them
-    #: for it, and an overlapped rollout needs a copy); False when it holds a copy of its own.
-    reads_trainer_weights: bool
+    name: str  # set by registration
+    capabilities: "EngineCapabilities"  # set by registration
 
     def generate(self, requests: list[GenerationRequest], generator: torch.Generator | None = None) -> list[Sample]:
         """One sample per request, in order, with its token ids and behaviour log-probs."""
@@ -95,11 +93,17 @@ class EngineCapabilities:
     install_note: str = ""
 
 
-#: name → rollout engine class (with ``from_config``), each with its ``capabilities``;
-#: ``@register_engine(*names, **capabilities)`` adds one (:func:`srpo.registry.parts_registry`).
-ENGINES, register_engine = parts_registry(
-    "rollout engine", EngineCapabilities, "from_config(cfg, policies) (see srpo.rollout.engine.RolloutEngine)")
+def _is_engine(obj) -> None:
+    if not isinstance(obj, type) or not callable(getattr(obj, "from_config", None)):
+        raise TypeError("expected a rollout engine class with from_config(cfg, policies) "
+                        "(see srpo.rollout.engine.RolloutEngine)")
+
+
+#: name → rollout engine class (with ``from_config``), each with its :class:`EngineCapabilities`
+#: (also its class's ``capabilities``): ``@register_engine(name, **capabilities)``.
+ENGINES: Registry[type] = Registry("rollout engine", EngineCapabilities, accepts=_is_engine, names_classes=True)
+register_engine = ENGINES.register
 
 
 def engine_capabilities(name: str) -> EngineCapabilities:
-    return ENGINES.meta(name)["capabilities"]
+    return ENGINES.capabilities(name)

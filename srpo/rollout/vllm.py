@@ -496,9 +496,6 @@ class VLLMRollout:
     Started on the policies' current weights; :meth:`update_weights` pushes the new ones (or
     adapters) after every update."""
 
-    name = "vllm"
-    reads_trainer_weights = False  # the engines hold their own copy, pushed by update_weights
-
     def __init__(self, policies, model_name: str, *, dtype: str, seed: int, settings: EngineSettings):
         self.policies = policies
         self.sleep_mode = settings.sleep_mode

@@ -53,25 +53,23 @@ class Tracker(Protocol):
     def close(self, status: str = "finished") -> None: ...
 
 
-def _adopt_tracker(obj: Any) -> dict:
+@dataclass(frozen=True)
+class TrackerCapabilities:
+    """``requires``: ``(module, pip requirement)`` the tracker imports — checked when the config is
+    validated, so a missing package fails before any model loads — or None."""
+
+    requires: tuple[str, str] | None = None
+
+
+def _is_tracker(obj: Any) -> None:
     if not isinstance(obj, type) or not all(callable(getattr(obj, m, None)) for m in ("log", "close")):
         raise TypeError("expected a tracker class built from TrackerSettings, with log(step, scalars) and "
                         "close(status) (see srpo.runs.trackers.Tracker)")
-    return {"requires": getattr(obj, "requires", None)}
 
 
-#: name → tracker class, each with ``requires``: ``(module, pip requirement)`` or None.
-TRACKERS: Registry[type] = Registry("tracker", adopt=_adopt_tracker)
-
-
-def register_tracker(name: str, requires: tuple[str, str] | None = None):
-    """Class decorator: register a tracker under ``name`` (``requires``: the module it imports
-    and the pip requirement that installs it, checked when the config is validated)."""
-    def register(cls):
-        cls.requires = requires
-        TRACKERS.register(name, cls, requires=requires)
-        return cls
-    return register
+#: name → tracker class, each with its :class:`TrackerCapabilities`: ``@register_tracker(name, requires=...)``.
+TRACKERS: Registry[type] = Registry("tracker", TrackerCapabilities, accepts=_is_tracker, names_classes=True)
+register_tracker = TRACKERS.register
 
 
 def tracker_artefacts(names: list[str], log_config) -> list[str]:
@@ -113,8 +111,6 @@ def _remember(run_dir: Path, backend: str, run_id: str) -> None:
 
 @register_tracker("tensorboard", requires=("tensorboard", "tensorboard"))
 class TensorBoardTracker:
-    name = "tensorboard"
-
     @staticmethod
     def artefacts(log_config) -> list[str]:
         return ["tensorboard"]
@@ -135,8 +131,6 @@ class TensorBoardTracker:
 
 @register_tracker("wandb", requires=("wandb", "srpo[wandb]"))
 class WandbTracker:
-    name = "wandb"
-
     @staticmethod
     def artefacts(log_config) -> list[str]:
         return ["wandb"]
@@ -163,8 +157,6 @@ _MLFLOW_BAD = re.compile(r"[^\w\-. :/]")
 
 @register_tracker("mlflow", requires=("mlflow", "srpo[mlflow]"))
 class MlflowTracker:
-    name = "mlflow"
-
     @staticmethod
     def artefacts(log_config) -> list[str]:
         """A file store in the run folder unless a tracking server is named."""
@@ -208,8 +200,6 @@ class MlflowTracker:
 
 @register_tracker("trackio", requires=("trackio", "srpo[trackio]"))
 class TrackioTracker:
-    name = "trackio"
-
     def __init__(self, s: TrackerSettings):
         import trackio
 
@@ -231,7 +221,7 @@ WANDB_MODES = ("", "online", "offline", "disabled")
 
 def missing_package(backend: str) -> str | None:
     """The pip requirement to install for ``backend``, or None when it is importable."""
-    requires = TRACKERS.meta(backend)["requires"]
+    requires = TRACKERS.capabilities(backend).requires
     if requires is None:
         return None
     module, extra = requires

@@ -71,18 +71,15 @@ class TaskKind:
                             f"(or package.module:function)")
 
 
-def _adopt_kind(obj) -> dict:
+def _is_task_kind(obj) -> None:
     if not isinstance(obj, TaskKind):
         raise TypeError("expected an srpo.tasks.kinds.TaskKind")
-    return {}
 
 
-#: name → :class:`TaskKind`.
-TASK_KINDS: Registry[TaskKind] = Registry("task kind", adopt=_adopt_kind)
-
-
-def register_task_kind(kind: TaskKind) -> TaskKind:
-    return TASK_KINDS.register(kind.name, kind)
+#: name → :class:`TaskKind`: ``register_task_kind(kind.name, kind)``, or name one by import path
+#: (its tasks, whose ``Task.kind`` is the kind's own name, then find it under that name too).
+TASK_KINDS: Registry[TaskKind] = Registry("task kind", accepts=_is_task_kind)
+register_task_kind = TASK_KINDS.register
 
 
 def task_kind(name: str) -> TaskKind:
@@ -174,18 +171,20 @@ def _build_builtin_kinds() -> None:
         """Token F1 of the ``<answer>`` content (or the whole text) against the best gold answer."""
         return token_f1(answer_text(text), task.answers)
 
-    register_task_kind(TaskKind(
+    math = TaskKind(
         name="math", load_file=load_math_file, grade=lambda task, text: grade_math(text, task.answers[0]),
         extract_answer=extract_answer,
         system_prompt="Solve the math problem. End with the final answer in the form \\boxed{ANSWER}.",
         synthetic={"synthetic_arithmetic": arith}, recognizes=lambda rows: not _looks_qa(rows),
-        check_fits=_math_fits))
-    register_task_kind(TaskKind(
+        check_fits=_math_fits)
+    qa = TaskKind(
         name="qa", load_file=load_qa, grade=lambda task, text: grade_qa(text, task.answers),
         extract_answer=extract_tagged_answer,
         system_prompt="Answer the question with a short phrase inside <answer> and </answer>.",
         rewards={"f1": f1}, eval_metrics={"f1": f1}, synthetic={"synthetic_kb": kb}, recognizes=_looks_qa,
-        check_fits=_qa_fits))
+        check_fits=_qa_fits)
+    for kind in (math, qa):
+        register_task_kind(kind.name, kind)
 
 
 _build_builtin_kinds()

@@ -253,7 +253,7 @@ class Trainer:
         """What sampling needs of the trainer's weights: the full parameters (FSDP gathers them —
         a collective every rank enters once) when the built-in sampler reads them; nothing when an
         engine (vLLM) holds its own copy."""
-        if self.engine.reads_trainer_weights:
+        if not self.engine.capabilities.holds_own_weights:
             return self.backend.gathered(self.policies)
         return contextlib.nullcontext()
 
@@ -311,7 +311,7 @@ class Trainer:
         if self.cfg.train.old_logprobs == "recompute" and not self.updater.on_policy_single_step:
             needed = self.updater.events_to_forward(loss_events)
             # With idle passes (FSDP) the pass is collective: every rank runs it when any rank needs it.
-            if self.backend.sum_int(len(needed)) if self.backend.needs_idle_pass else needed:
+            if self.backend.sum_int(len(needed)) if self.backend.capabilities.shards_parameters else needed:
                 self.recompute_old_logprobs(needed)
         metrics = self.update(loss_events)
         t_update = time.perf_counter() - t1

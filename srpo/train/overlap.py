@@ -74,7 +74,7 @@ class OverlappedRollout:
     (its ``update_weights``, called by the trainer), and :meth:`sync` records their version."""
 
     def __init__(self, policies, make_runtime, engine=None):
-        self.copies_weights = engine is None or engine.reads_trainer_weights
+        self.copies_weights = engine is None or not engine.capabilities.holds_own_weights
         if self.copies_weights:
             self.policies = copy.deepcopy(policies)  # the weights rollouts sample from, one version behind
             for module in self.policies.modules():

@@ -104,7 +104,7 @@ def save(trainer) -> Path | None:
         return save_checkpoint(trainer.run_dir, trainer.step, trainer.policies, tensors, plain, redacted(cfg.to_dict()),
                                keep=cfg.checkpoint.keep, tmp=tmp, state_dicts=state_dicts)
 
-    if not backend.sharded_optimizer_state:
+    if not backend.capabilities.shards_parameters:
         return write() if backend.rank == 0 else None
     # Sharded: every rank writes its shards into one temporary folder, the full weights are
     # gathered to rank 0, and rank 0 completes the checkpoint.
@@ -124,7 +124,7 @@ def resume(trainer, path: Path | None = None) -> bool:
     """
     _adopt(trainer)  # before anything is read, cut back or deleted in the folder
     problems = []
-    sharded = trainer.backend.sharded_optimizer_state
+    sharded = trainer.backend.capabilities.shards_parameters
     for candidate in [Path(path)] if path is not None else candidates(trainer.run_dir):
         try:
             tensors, plain = load_checkpoint(candidate, trainer.policies, redacted(trainer.cfg.to_dict()),

@@ -140,7 +140,7 @@ class PolicyUpdate:
         """The policies whose passes this rank runs, in order: those with rows here — or, under a
         backend that needs idle passes, every policy (those without rows run idle), in one order
         on every rank."""
-        return self.policies.policy_ids if self.backend.needs_idle_pass else sorted(present)
+        return self.policies.policy_ids if self.backend.capabilities.shards_parameters else sorted(present)
 
     def reference_logprobs(self, batch):
         """(M, T) reference log-probs, under the same autocast as the policy's: a KL term between
@@ -163,7 +163,7 @@ class PolicyUpdate:
     def idle_pass(self, *, grad: bool) -> None:
         """Join every policy's collectives with a zero-contribution pass when this rank has nothing
         to forward (other ranks may have; a skipped collective would hang them)."""
-        if not self.backend.needs_idle_pass:
+        if not self.backend.capabilities.shards_parameters:
             return
         with self.autocast():
             idle = self.backend.idle_pass(self.policies, self.policies.policy_ids, grad=grad)
@@ -310,13 +310,13 @@ def guarded_optimizer_step(policies, optimizers: dict, backend, loss: torch.Tens
 def optimization_state(optimizers: dict, schedulers: dict, backend) -> dict[str, dict]:
     """``{"optimizers": ..., "schedulers": ...}`` by policy id; the optimizers are left out under a
     backend that shards them (it saves its shards itself, ``save_sharded``)."""
-    sharded = backend.sharded_optimizer_state
+    sharded = backend.capabilities.shards_parameters
     return {"optimizers": {} if sharded else {pid: o.state_dict() for pid, o in optimizers.items()},
             "schedulers": {pid: s.state_dict() for pid, s in schedulers.items()}}
 
 
 def load_optimization_state(optimizers: dict, schedulers: dict, backend, state: dict[str, dict]) -> None:
-    if not backend.sharded_optimizer_state:
+    if not backend.capabilities.shards_parameters:
         for pid, o in optimizers.items():
             o.load_state_dict(state["optimizers"][pid])
     for pid, s in schedulers.items():

@@ -120,10 +120,35 @@ class Workflow:
         raise NotImplementedError
 
 
+@dataclass(frozen=True)
+class WorkflowCapabilities:
+    """What a workflow class states about itself, read once when it is registered."""
+
+    #: A config must give ``task.corpus`` or ``retriever.url`` (its roles search).
+    needs_retriever: bool = False
+    #: Option name → type annotation: what ``workflow.options`` may set.
+    options: dict = field(default_factory=dict)
+
+
+def _is_workflow(obj) -> None:
+    if not (isinstance(obj, type) and issubclass(obj, Workflow)):
+        raise TypeError("expected a dataclass subclass of srpo.workflows.Workflow")
+
+
+def _workflow_capabilities(cls) -> dict:
+    return {"needs_retriever": bool(cls.needs_retriever), "options": cls.option_fields()}
+
+
+#: name → workflow class, with its :class:`WorkflowCapabilities`: ``@register_workflow(name)`` (which
+#: also sets the class's ``name``), or name one by import path.
+WORKFLOWS: Registry[type[Workflow]] = Registry("workflow", WorkflowCapabilities, accepts=_is_workflow,
+                                               reads=_workflow_capabilities, names_classes=True)
+register_workflow = WORKFLOWS.register
+
+
+@register_workflow("single")
 @dataclass
 class Single(Workflow):
-    name = "single"
-
     def roles(self):
         return ["solver"]
 
@@ -131,13 +156,13 @@ class Single(Workflow):
         return (await ctx.ask("solver", task.question)).text
 
 
+@register_workflow("roles")
 @dataclass
 class Roles(Workflow):
     """Named roles and no program: what ``srpo serve`` builds for a run of an agent program
     (``openai_agent``) that it was not asked to run (:mod:`srpo.runs.trust`).  Clients call each
     role as ``model=<role>``; it runs no episodes."""
 
-    name = "roles"
     option_aliases: typing.ClassVar[dict[str, str]] = {"roles": "role_names"}
     role_names: list[str] = field(default_factory=list)
 
@@ -157,9 +182,9 @@ class Roles(Workflow):
         raise WorkflowError("the roles workflow serves roles to clients; it runs no episodes (give --workflow)")
 
 
+@register_workflow("solver_verifier")
 @dataclass
 class SolverVerifier(Workflow):
-    name = "solver_verifier"
     rounds: Count = 2
 
     def roles(self):
@@ -195,9 +220,9 @@ def _aggregator_prompt(task: Task, outputs, kind: str) -> str:
     return "\n".join(lines)
 
 
+@register_workflow("parallel_aggregate")
 @dataclass
 class ParallelAggregate(Workflow):
-    name = "parallel_aggregate"
     num_workers: Count = 3
 
     def roles(self):
@@ -209,9 +234,9 @@ class ParallelAggregate(Workflow):
         return (await ctx.ask("aggregator", _aggregator_prompt(task, outs, self.kind))).text
 
 
+@register_workflow("routed")
 @dataclass
 class Routed(Workflow):
-    name = "routed"
     num_workers: Count = 3
     fallback: typing.Literal["all", "first"] = "all"  # what an unparseable router choice means
     max_chosen: Annotated[int, Field(ge=0)] = 0  # the most workers one episode may run (0: all); extra choices dropped
@@ -251,12 +276,12 @@ def _format_passages(passages) -> str:
     return "\n".join(f"[{i + 1}] {p.render()}" for i, p in enumerate(passages)) or "(no results)"
 
 
+@register_workflow("search")
 @dataclass
 class Search(Workflow):
     """Search-R1-style multi-turn agent: each turn is one K=1 event; the retrieved text sits in
     the next turn's prompt (so it is never in an action mask)."""
 
-    name = "search"
     needs_retriever = True
     kind: str = "qa"
     retriever: Retriever | None = None
@@ -290,11 +315,11 @@ class Search(Workflow):
         return text
 
 
+@register_workflow("search_team")
 @dataclass
 class SearchTeam(Workflow):
     """A verifier routes each turn to searching or answering; N searchers query in parallel."""
 
-    name = "search_team"
     needs_retriever = True
     kind: str = "qa"
     retriever: Retriever | None = None
@@ -346,27 +371,8 @@ class SearchTeam(Workflow):
         return (await ctx.ask("answerer", f"Question: {task.question}\n\nInformation:\n{info}")).text
 
 
-def _workflow_meta(cls) -> dict:
-    if not (isinstance(cls, type) and issubclass(cls, Workflow)):
-        raise TypeError("expected a dataclass subclass of srpo.workflows.Workflow")
-    return {"needs_retriever": bool(cls.needs_retriever), "options": cls.option_fields()}
-
-
-#: name → workflow class, with ``needs_retriever`` and ``options`` (option name → type).
-WORKFLOWS: Registry[type[Workflow]] = Registry("workflow", adopt=_workflow_meta)
-
-
-def register_workflow(cls: type[Workflow]) -> type[Workflow]:
-    """Class decorator: register a :class:`Workflow` under its ``name``."""
-    return WORKFLOWS.register(cls.name, cls, **_workflow_meta(cls))
-
-
-for _cls in (Single, Roles, SolverVerifier, ParallelAggregate, Routed, Search, SearchTeam):
-    register_workflow(_cls)
-
-
 def needs_retriever(name: str) -> bool:
-    return WORKFLOWS.meta(name)["needs_retriever"]
+    return WORKFLOWS.capabilities(name).needs_retriever
 
 
 def build_workflow(name: str, **options: Any) -> Workflow:

@@ -67,11 +67,11 @@ def _pool(size: int) -> concurrent.futures.ThreadPoolExecutor:
     return _POOLS[size]
 
 
+@register_workflow("openai_agent")
 @dataclass
 class OpenAIAgent(Workflow):
     """A team written against the OpenAI API, run unchanged through srpo's gateway."""
 
-    name = "openai_agent"
     option_aliases = {"roles": "role_names"}
 
     entry: str = ""
@@ -242,5 +242,3 @@ def _warn_once(key: str, message: str) -> None:
         _WARNED.add(key)
         log.warning(message)
 
-
-register_workflow(OpenAIAgent)

@@ -114,7 +114,8 @@ def test_an_unknown_or_missing_tracker_fails_before_any_model(monkeypatch):
 
     with pytest.raises(ConfigError, match="log.backends: unknown tracker 'comet'; valid: mlflow, tensorboard, trackio, wandb"):
         load_config(None, ["log.backends=[comet]"])
-    monkeypatch.setitem(trackers.TRACKERS.meta("wandb"), "requires", ("no_such_module_xyz", "srpo[wandb]"))
+    monkeypatch.setitem(trackers.TRACKERS._caps, "wandb",
+                        trackers.TrackerCapabilities(requires=("no_such_module_xyz", "srpo[wandb]")))
     with pytest.raises(ConfigError, match=r"log.backends: wandb is not installed; pip install 'srpo\[wandb\]'"):
         load_config(None, ["log.backends=[wandb]"])
     with pytest.raises(ConfigError, match="log.wandb_mode"):

@@ -70,8 +70,7 @@ def _forget(package: str) -> None:
                      TOOL_PARSERS, REASONING_PARSERS):
         for name, obj in list(registry._objects.items()):
             if name.startswith(package) or str(origin(obj)).startswith(package):
-                registry._objects.pop(name)
-                registry._meta.pop(name)
+                registry.unregister(name)
 
 
 @pytest.fixture
@@ -424,8 +423,7 @@ def test_config_checks_ask_an_engine_s_capabilities():
         with pytest.raises(ConfigError, match="does not serve LoRA adapters"):
             load_config(None, ["rollout.engine=cuda_only_full_models", "run.device=cuda", "model.layout=lora"])
     finally:
-        ENGINES._objects.pop("cuda_only_full_models")
-        ENGINES._meta.pop("cuda_only_full_models")
+        ENGINES.unregister("cuda_only_full_models")
 
 
 def test_registries_list_names_and_reject_unknown_ones_with_the_valid_ones():
@@ -437,8 +435,8 @@ def test_registries_list_names_and_reject_unknown_ones_with_the_valid_ones():
 
     assert {update_unit(n) for n in ("srpo", "grpo", "gspo")} == {"event", "token", "member"}
     assert METHODS["dr_mas"].per_member and METHODS["dr_mas"].loss in LOSSES
-    assert WORKFLOWS.meta("search_team")["needs_retriever"] and not WORKFLOWS.meta("routed")["needs_retriever"]
-    assert set(WORKFLOWS.meta("routed")["options"]) == {"num_workers", "fallback", "max_chosen"}
+    assert WORKFLOWS.capabilities("search_team").needs_retriever and not WORKFLOWS.capabilities("routed").needs_retriever
+    assert set(WORKFLOWS.capabilities("routed").options) == {"num_workers", "fallback", "max_chosen"}
     assert TASK_KINDS["qa"].eval_metrics and not TASK_KINDS["math"].eval_metrics
     with pytest.raises(RegistryError, match="unknown workflow 'debat'; valid: openai_agent, parallel_aggregate, roles, routed"):
         WORKFLOWS.resolve("debat")
@@ -453,6 +451,33 @@ def test_registries_list_names_and_reject_unknown_ones_with_the_valid_ones():
     assert build.reward(load_config(None, ["task.reward=srpo.tasks.rewards:task_reward"])) is task_reward
     with pytest.raises(ConfigError, match="task.reward: 'f2' is not a math reward; valid: exact"):
         load_config(None, ["task.reward=f2"])
+
+
+def test_every_registry_is_in_the_table_and_registered_into_one_way():
+    """Each Registry of the package is defined beside its ``register_<kind>``, which is the
+    registry's own ``register`` (one signature for every kind), and srpo/registry.py's table
+    lists it with that module."""
+    import importlib
+    import pkgutil
+
+    import srpo
+    from srpo import registry as registry_module
+    from srpo.registry import Registry
+
+    homes = {}  # registry name -> the module that defines it with its register_<kind>
+    for info in pkgutil.walk_packages(srpo.__path__, "srpo."):
+        try:
+            module = importlib.import_module(info.name)
+        except ImportError:  # an optional extra (vllm, verl, ...) not installed here
+            continue
+        for attr, value in vars(module).items():
+            if isinstance(value, Registry) and any(getattr(f, "__self__", None) is value
+                                                   for k, f in vars(module).items() if k.startswith("register_")):
+                homes[attr] = info.name
+    assert len(homes) == 10, sorted(homes.items())
+    for attr, home in homes.items():
+        row = next((line for line in registry_module.__doc__.splitlines() if line.startswith(f"``{attr}``")), "")
+        assert f":mod:`{home}`" in row, f"{attr} ({home}) is not in srpo/registry.py's table"
 
 
 # ------------------------------------------------------------------ metrics declare their reduction

@@ -39,11 +39,11 @@ def full_weights(trainer) -> dict:
     """The trained weights, full: the shared model's, or (lora) every adapter's tensors."""
     policies = trainer.policies
     if policies.layout == "lora":
-        if trainer.backend.sharded_optimizer_state:
+        if trainer.backend.capabilities.shards_parameters:
             gathered = trainer.backend.full_state_dicts(policies)
             return {n: t for sd in gathered.values() for n, t in sd.items()}
         return {n: t for pid in policies.policy_ids for n, t in policies.adapter_state(pid).items()}
-    if trainer.backend.sharded_optimizer_state:
+    if trainer.backend.capabilities.shards_parameters:
         return dict(trainer.backend.full_state_dicts(policies)["shared"])
     return {k: v.detach().clone() for k, v in policies.model_for("shared").state_dict().items()}
 
@@ -96,7 +96,7 @@ def update_by_policy(out_path: str, run_dir: str, parallel: str, layout: str = "
         weights = full_weights(trainer)
     else:
         weights = {pid: (dict(trainer.backend.full_state_dicts(trainer.policies)[pid])
-                         if trainer.backend.sharded_optimizer_state else
+                         if trainer.backend.capabilities.shards_parameters else
                          {k: v.detach().clone() for k, v in trainer.policies.model_for(pid).state_dict().items()})
                    for pid in policies}
     if dist.rank == 0:

@@ -241,7 +241,7 @@ def test_activation_checkpointing_trains_to_the_same_weights(tmp_path, parallel,
         if layout == "lora":
             runs[ckpt] = (history, {n: t.detach().clone() for pid in trainer.policies.policy_ids
                                     for n, t in trainer.policies.adapter_state(pid).items()})
-        elif trainer.backend.sharded_optimizer_state:
+        elif trainer.backend.capabilities.shards_parameters:
             runs[ckpt] = (history, trainer.backend.full_state_dicts(trainer.policies)["shared"])
         else:
             runs[ckpt] = (history, {k: v.detach().clone() for k, v in trainer.policies.model_for("shared").state_dict().items()})
