@@ -3,9 +3,12 @@
 A checkpoint folder ``checkpoints/step_XXXXXXX`` holds
 
 - ``model/`` — the weights in HF format (a full model, or one PEFT adapter per policy);
-- ``trainer_state.pt`` — tensors only (optimizer and scheduler state, torch RNG states), read
-  with ``torch.load(weights_only=True)``: a checkpoint from someone else cannot run code;
-- ``trainer_state.json`` — plain JSON: step, data position, counters, Python and NumPy RNG;
+- ``trainer_state.pt`` — the entries of the run's parts' state that hold tensors (optimizer
+  state, torch RNG states), by part, read with ``torch.load(weights_only=True)``: a checkpoint
+  from someone else cannot run code;
+- ``trainer_state.json`` — every other entry, by part, as JSON: step and counters, data position
+  and fingerprint, schedulers, Python and NumPy RNG, each rank's sampling stream
+  (:mod:`srpo.train.parts`);
 - ``config.json`` — the run's configuration;
 - ``manifest.json`` — written last: format, step, and the size and SHA-256 of every other file.
 
@@ -41,7 +44,7 @@ STATE_JSON = "trainer_state.json"
 CONFIG_FILE = "config.json"
 MANIFEST = "manifest.json"
 BEST_FILE = "best.json"  # in checkpoints/: the best held-out evaluation (eval.every)
-FORMAT = 2
+FORMAT = 3
 TEMP_PREFIX = ".step_"
 
 

@@ -40,7 +40,8 @@ import torch
 
 from srpo import build
 from srpo.runs import preemption
-from srpo.runs.checkpoint import BEST_FILE, remove_stale_temporaries, rng_state, set_rng_state
+from srpo.runs.checkpoint import BEST_FILE, remove_stale_temporaries
+from srpo.runs.secrets import redacted
 from srpo.config import Config
 from srpo.data import DataCursor
 from srpo.events import validate_events
@@ -51,7 +52,7 @@ from srpo.rollout.engine import EngineDied, EngineOutOfSync
 from srpo.runs.run_dir import RunDirError, RunLock
 from srpo.train import memory, state
 from srpo.train.diagnostics import RolloutMismatch, episode_metrics, episode_record
-from srpo.train.overlap import pending_batch
+from srpo.train.parts import DataPosition, PerRank, RngStreams, Stateful
 from srpo.train.state import TrainingStopped  # noqa: F401  (part of this module's API)
 from srpo.train.update import PolicyUpdate
 from srpo.types import EpisodeResult
@@ -97,7 +98,6 @@ class Trainer:
         # Held-out sets load up front: a bad eval dataset fails before a model loads, not at step N.
         self.eval_sets = build.eval_sets(cfg) if cfg.eval.every else {}
         # What --resume checks the data against (srpo.data.fingerprint): the same path may hold other rows.
-        self.allow_data_change = allow_data_change
         self.data_fingerprint = build.data_fingerprint(cfg, self.train_tasks, self.eval_sets)
         team = build.team(cfg, policies)
         self.retriever, self.workflow, self.role_specs, self.policies = (team.retriever, team.workflow,
@@ -133,6 +133,9 @@ class Trainer:
         self.target_steps = cfg.run.steps
         self.step = 0
         self.data = DataCursor(self.train_tasks, cfg.run.seed)
+        self.data_position = DataPosition(self.data, self.data_fingerprint, allow_data_change)
+        self.checkpointer = state.Checkpointer(self.run_dir, self.backend, self.policies, self.optimizers,
+                                               redacted(cfg.to_dict()), keep=cfg.checkpoint.keep)
         self.best: dict[str, Any] | None = None  # the best held-out evaluation so far (eval.every)
         self.mismatch = RolloutMismatch()
         self.logger = build.metrics_logger(cfg, self.backend.rank)
@@ -151,85 +154,48 @@ class Trainer:
         np.random.seed(seed)
         torch.manual_seed(seed)
 
-    # -- checkpoints: the parts' state composed here, written and read by srpo.train.state ------------
+    # -- checkpoints: the run as a dict of stateful parts (srpo.train.parts), written by srpo.train.state
+    def parts(self) -> dict[str, Stateful]:
+        """Every part a resumed run needs, in the order they load (the counters first: the
+        sampling generator's reseed on another number of ranks reads the step).  Built per call:
+        a part holding the trainer must not outlive the call (a cycle would keep a dropped
+        trainer's run-folder lock until the cycle collector runs)."""
+        seed, rank = self.cfg.run.seed, self.backend.rank
+        rng = RngStreams(self.backend, self.rollout_generator, reseed=lambda: seed * 1000 + rank + 7919 * self.step)
+        parts: dict[str, Stateful] = {"counters": LoopCounters(self), "data": self.data_position, "update": self.updater,
+                                      "rng": rng}
+        if self.overlap is not None:  # each rank's next batch, sampled before the checkpoint
+            parts["overlap"] = PerRank(self.overlap, self.backend, fresh={"pending": None},
+                                       what="the next step's batches")
+        if hasattr(self.engine, "state_dict"):  # an engine with state of its own (vLLM: its sync count)
+            parts["engine"] = self.engine
+        return parts
+
     def save(self) -> Path | None:
-        return state.save(self)
+        return self.checkpointer.save(self.step, self.parts())
 
     def resume(self, path: Path | None = None) -> bool:
-        return state.resume(self, path)
+        """Continue from ``path`` or the run's newest complete checkpoint; False when there is none
+        (the logs are then cut back to step 0, else to the resumed step)."""
+        state.adopt_folder(self.backend, self.run_dir, self.run_artefacts(), self.logger)
+        resumed = self.checkpointer.resume(self.parts(), path)
+        if resumed is not None:
+            log.info("resumed from %s at step %d", resumed, self.step)
+            self.engine.update_weights()  # a rollout engine samples from the resumed weights
+            if self.overlap is not None:  # ... and so does the rollout copy (or: its recorded version)
+                self.overlap.sync(self.policies)
+        self.logger.truncate_after(self.step)
+        self.claimed = True
+        return resumed is not None
 
     def run_artefacts(self) -> list[str]:
         """What this run writes in its folder (a fresh run refuses another run's)."""
         return state.run_artefacts(self.cfg)
 
-    def after_resume(self) -> None:
-        self.engine.update_weights()  # a rollout engine samples from the resumed weights
-        if self.overlap is not None:  # ... and so does the rollout copy (or: its recorded version)
-            self.overlap.sync(self.policies)
-
     @property
     def pending_episodes(self) -> list[EpisodeResult] | None:
         """The next step's batch, sampled during this step's update (``rollout.max_staleness``)."""
         return self.overlap.pending if self.overlap is not None else None
-
-    def state_dict(self) -> dict[str, dict[str, Any]]:
-        """Everything a resumed run needs, from each part's own ``state_dict()``: ``{"tensors": ...,
-        "plain": ...}`` (the checkpoint writes the first with ``torch.save`` and reads it with
-        ``weights_only=True``, the second as JSON).  A collective under data parallelism: each
-        rank's sampling generator, GPU stream and pending batch are gathered."""
-        rng_plain, rng_tensors = rng_state()  # Python, NumPy, torch; the sampling generator per rank below
-        rng_plain["rollout_by_rank"] = self.backend.all_gather_object(self.rollout_generator.get_state().tolist())
-        # Each rank's own GPU stream (rng_state() holds this process's view of every device, which
-        # under torchrun is rank 0's when rank 0 writes).
-        rng_plain["cuda_by_rank"] = self.backend.all_gather_object(_cuda_rng_of_this_rank())
-        update = self.updater.state_dict()
-        pending = self.overlap.state_dict()["pending"] if self.overlap is not None else None
-        return {
-            "tensors": {"optimizers": update["optimizers"], "schedulers": update["schedulers"], "rng": rng_tensors},
-            "plain": {
-                "step": self.step,
-                "data": self.data.state_dict(),
-                "versions": dict(self.policies.versions),
-                "data_fingerprint": self.data_fingerprint,
-                # rollout.max_staleness: each rank's next batch, sampled before this checkpoint (None
-                # where there is none) — every rank's own, since ranks sample different tasks.
-                "pending_episodes_by_rank": self.backend.all_gather_object(pending),
-                "rng": rng_plain,
-                "totals": dict(self.totals),
-                "nonfinite_in_a_row": update["nonfinite_in_a_row"],
-                "best": self.best,
-                "engine": self.engine.state_dict() if hasattr(self.engine, "state_dict") else {},
-            },
-        }
-
-    def load_state_dict(self, checkpoint: dict[str, dict[str, Any]]) -> None:
-        """Put :meth:`state_dict`'s output back, part by part (the weights are loaded with the files)."""
-        tensors, plain = checkpoint["tensors"], checkpoint["plain"]
-        rank, world = self.backend.rank, self.backend.world
-        if self.overlap is not None:
-            self.overlap.load_state_dict({"pending": pending_batch(plain, rank, world)})
-        self.step = plain["step"]
-        self.data.load_state_dict(plain["data"])
-        self.updater.load_state_dict({"optimizers": tensors["optimizers"], "schedulers": tensors["schedulers"],
-                                      "nonfinite_in_a_row": plain["nonfinite_in_a_row"]})
-        self.policies.versions.update(plain["versions"])
-        set_rng_state(plain["rng"], tensors["rng"])
-        by_rank = plain["rng"]["rollout_by_rank"]
-        if len(by_rank) == world:
-            self.rollout_generator.set_state(torch.tensor(by_rank[rank], dtype=torch.uint8))
-        else:  # another number of processes: each rank's sampling cannot continue its old stream
-            self.rollout_generator.manual_seed(self.cfg.run.seed * 1000 + rank + 7919 * self.step)
-            if rank == 0:
-                log.warning("resumed on %d process(es) from a checkpoint of %d: sampling continues from new "
-                            "per-rank seeds (the run is not bit-identical to an uninterrupted one)", world, len(by_rank))
-        cuda_by_rank = plain["rng"].get("cuda_by_rank")
-        if cuda_by_rank and len(cuda_by_rank) == world and cuda_by_rank[rank] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(torch.tensor(cuda_by_rank[rank], dtype=torch.uint8), torch.cuda.current_device())
-        self.totals.clear()
-        self.totals.update(plain["totals"])
-        self.best = plain.get("best")
-        if plain.get("engine") and hasattr(self.engine, "load_state_dict"):
-            self.engine.load_state_dict(plain["engine"])
 
     # -- 1. tasks ------------------------------------------------------------------------------------
     def next_tasks(self):
@@ -472,7 +438,8 @@ class Trainer:
         total = steps if steps is not None else self.cfg.run.steps
         self.target_steps = total
         if not self.claimed:
-            state.claim_fresh(self)
+            state.claim_fresh(self.backend, self.run_dir, self.run_artefacts(), self.logger, self.overwrite)
+            self.claimed = True
         history, saved_at, bar = [], None, None
         if self.progress:
             from tqdm.auto import tqdm
@@ -527,7 +494,20 @@ class Trainer:
         return history
 
 
-def _cuda_rng_of_this_rank() -> list[int] | None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.get_rng_state(torch.cuda.current_device()).tolist()
-    return None
+class LoopCounters:
+    """The loop's counters as a checkpoint part: the step, the running totals, each policy's
+    version and the best held-out evaluation so far."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        t = self.trainer
+        return {"step": t.step, "totals": dict(t.totals), "versions": dict(t.policies.versions), "best": t.best}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        t = self.trainer
+        t.step, t.best = state["step"], state["best"]
+        t.totals.clear()  # in place: the update holds the same dict
+        t.totals.update(state["totals"])
+        t.policies.versions.update(state["versions"])

@@ -159,22 +159,3 @@ class OverlappedRollout:
                 for src, dst in zip(policies.modules(), self.policies.modules()):
                     dst.load_state_dict(src.state_dict())  # copies in place: the copy stays frozen
         self.policies.versions = dict(policies.versions)
-
-
-def pending_batch(plain: dict[str, Any], rank: int, world: int) -> list | None:
-    """This rank's pending batch (``rollout.max_staleness``) from a checkpoint's plain state.
-
-    Same number of ranks: each rank continues with its own batch.  Another number: the batches
-    were sampled for another deal of tasks to ranks and cannot be split fairly, so they are dropped
-    and the step samples anew (said once, on rank 0).
-    """
-    by_rank = plain.get("pending_episodes_by_rank")
-    if not by_rank or all(b is None for b in by_rank):
-        return None
-    if len(by_rank) == world:
-        return by_rank[rank]
-    if rank == 0:
-        log.warning("the checkpoint holds the next step's batches of %d rank(s) and this run has %d: they are "
-                    "dropped and the next step samples anew from the data (the run is not bit-identical to an "
-                    "uninterrupted one)", len(by_rank), world)
-    return None

@@ -25,10 +25,11 @@ from srpo import build
 from srpo.config import Config
 from srpo.data import DataCursor
 from srpo.runs import preemption
-from srpo.runs.checkpoint import rng_state, set_rng_state
+from srpo.runs.secrets import redacted
 from srpo.train import memory, state
+from srpo.train.parts import Attributes, DataPosition, RngStreams, Stateful
 from srpo.train.state import TrainingStopped
-from srpo.train.update import guarded_optimizer_step, load_optimization_state, optimization_state
+from srpo.train.update import Optimization, guarded_optimizer_step
 
 log = logging.getLogger(__name__)
 
@@ -91,39 +92,32 @@ class SupervisedTrainer:
         self.target_steps = s.epochs * self.steps_per_epoch
         self.step = 0
         self.nonfinite_in_a_row = 0  # consecutive steps whose loss or gradients were NaN/Inf (skipped)
-        self.data_fingerprint = {"sft.examples": examples_fingerprint(examples)}
-        self.allow_data_change = allow_data_change
-        self.claimed = True  # the caller claimed the folder
+        self.data_position = DataPosition(self.data, {"sft.examples": examples_fingerprint(examples)}, allow_data_change)
+        self.checkpointer = state.Checkpointer(self.run_dir, self.backend, policies, self.optimizers,
+                                               redacted(self.cfg.to_dict()), keep=cfg.checkpoint.keep)
         self.logger = build.metrics_logger(self.cfg, self.backend.rank, run_dir=self.run_dir)
         self.device = build.device(cfg)
         self.pad = policies.tokenizer.pad_token_id if policies.tokenizer.pad_token_id is not None else 0
 
-    # -- what srpo.train.state asks of a trainer -------------------------------------------------------
+    # -- checkpoints: the run as a dict of stateful parts (srpo.train.parts), written by srpo.train.state
     def run_artefacts(self) -> list[str]:
         return list(self.artefacts)
 
-    def after_resume(self) -> None:
-        """Nothing samples during fine-tuning: no engine to update."""
-
-    def state_dict(self) -> dict[str, dict[str, Any]]:
-        rng_plain, rng_tensors = rng_state()
-        return {"tensors": {**optimization_state(self.optimizers, self.schedulers, self.backend), "rng": rng_tensors},
-                "plain": {"step": self.step, "data": self.data.state_dict(), "rng": rng_plain,
-                          "data_fingerprint": self.data_fingerprint, "nonfinite_in_a_row": self.nonfinite_in_a_row}}
-
-    def load_state_dict(self, checkpoint: dict[str, dict[str, Any]]) -> None:
-        tensors, plain = checkpoint["tensors"], checkpoint["plain"]
-        load_optimization_state(self.optimizers, self.schedulers, self.backend, tensors)
-        self.step = plain["step"]
-        self.nonfinite_in_a_row = plain.get("nonfinite_in_a_row", 0)  # absent in checkpoints before 2026-12-02
-        self.data.load_state_dict(plain["data"])
-        set_rng_state(plain["rng"], tensors["rng"])
+    def parts(self) -> dict[str, Stateful]:
+        return {"counters": Attributes(self, ("step", "nonfinite_in_a_row")), "data": self.data_position,
+                "update": Optimization(self.optimizers, self.schedulers, self.backend), "rng": RngStreams(self.backend)}
 
     def save(self) -> Path | None:
-        return state.save(self)
+        return self.checkpointer.save(self.step, self.parts())
 
     def resume(self, path: Path | None = None) -> bool:
-        return state.resume(self, path)
+        """Continue from ``path`` or the newest complete checkpoint; False when there is none."""
+        state.adopt_folder(self.backend, self.run_dir, self.run_artefacts(), self.logger)
+        resumed = self.checkpointer.resume(self.parts(), path)
+        if resumed is not None:
+            log.info("resumed from %s at step %d", resumed, self.step)
+        self.logger.truncate_after(self.step)
+        return resumed is not None
 
     # -- one step ------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:

@@ -307,6 +307,20 @@ def guarded_optimizer_step(policies, optimizers: dict, backend, loss: torch.Tens
     return {pid: float(norms[pid]) for pid in optimizers}
 
 
+class Optimization:
+    """The optimizers and schedulers of a run's policies as a checkpoint part (the optimizers'
+    state is left to the backend's own shards where it shards them)."""
+
+    def __init__(self, optimizers: dict, schedulers: dict, backend):
+        self.optimizers, self.schedulers, self.backend = optimizers, schedulers, backend
+
+    def state_dict(self) -> dict[str, Any]:
+        return optimization_state(self.optimizers, self.schedulers, self.backend)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        load_optimization_state(self.optimizers, self.schedulers, self.backend, state)
+
+
 def optimization_state(optimizers: dict, schedulers: dict, backend) -> dict[str, dict]:
     """``{"optimizers": ..., "schedulers": ...}`` by policy id; the optimizers are left out under a
     backend that shards them (it saves its shards itself, ``save_sharded``)."""

@@ -220,7 +220,7 @@ def test_staleness_one_on_the_engine_trains_and_resumes_with_its_pending_batch(t
     assert history[0]["time/overlap_s"] > 0 and all(m["episodes"] == 4 for m in history)
     assert history[0]["mismatch/mean_abs"] < TOL  # step 1 sampled on the weights it updates: the engine's gap alone
     saved = json.loads((tmp_path / "checkpoints" / "step_0000002" / STATE_JSON).read_text())
-    pending = [e["episode_id"] for e in saved["pending_episodes_by_rank"][0]]
+    pending = [e["episode_id"] for e in saved["overlap"]["by_rank"][0]["pending"]]
     assert len(pending) == 4 and all(i.startswith("s2-") for i in pending)  # step 3's batch, sampled at step 2
 
     resumed = Trainer(config(3), progress=False, reward_fn=reward)

@@ -641,7 +641,7 @@ def test_a_checkpoint_without_its_manifest_or_fingerprint_is_refused_by_name(tmp
 
     state = latest / "trainer_state.json"  # a manifest that vouches for a state without a fingerprint
     plain = json.loads(state.read_text())
-    assert plain.pop("data_fingerprint")
+    assert plain["data"].pop("fingerprint")
     state.write_text(json.dumps(plain))
     manifest = json.loads(manifest_text)
     manifest["files"]["trainer_state.json"] = {"size": state.stat().st_size,

@@ -148,7 +148,7 @@ def test_staleness_one_resumes_every_rank_exactly_under_ddp(tmp_path):
     launch(tmp_path / "ref")
     launch(tmp_path / "cut", "--kill-after", "3")
     state = json.loads((tmp_path / "cut" / "checkpoints" / "step_0000002" / "trainer_state.json").read_text())
-    batches = state["pending_episodes_by_rank"]
+    batches = [rank["pending"] for rank in state["overlap"]["by_rank"]]
     assert len(batches) == 2 and all(batches), "both ranks' step-3 batches are saved"
     assert {e["episode_id"] for e in batches[0]}.isdisjoint(e["episode_id"] for e in batches[1])
     launch(tmp_path / "cut", "--resume")
