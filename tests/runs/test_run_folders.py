@@ -641,6 +641,11 @@ def test_a_checkpoint_without_its_manifest_or_fingerprint_is_refused_by_name(tmp
 
     state = latest / "trainer_state.json"  # a manifest that vouches for a state without a fingerprint
     plain = json.loads(state.read_text())
+    # the run's parts, each entry holding a tensor in the torch file, the rest in JSON
+    assert list(plain) == ["counters", "data", "update", "rng"]
+    tensors = torch.load(latest / "trainer_state.pt", weights_only=True)
+    assert set(tensors) == {"update", "rng"} and set(tensors["update"]) == {"optimizers"}
+    assert set(plain["update"]) == {"schedulers", "nonfinite_in_a_row"} and plain["counters"]["step"] == 1
     assert plain["data"].pop("fingerprint")
     state.write_text(json.dumps(plain))
     manifest = json.loads(manifest_text)

@@ -249,3 +249,21 @@ def test_activation_checkpointing_trains_to_the_same_weights(tmp_path, parallel,
     (h0, w0), (h1, w1) = runs[False], runs[True]
     assert [h["loss"] for h in h0] == [h["loss"] for h in h1]
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
+
+
+def test_a_run_s_parts_split_into_tensors_and_json_and_join_back():
+    from srpo.train.parts import join_state, split_state
+
+    class Part:
+        def __init__(self, state):
+            self.state = state
+
+        def state_dict(self):
+            return self.state
+
+    t = torch.arange(3)
+    tensors, plain = split_state({"p": Part({"a": t, "b": 1, "c": {"x": [t]}}), "q": Part({"n": "x"})})
+    assert set(tensors) == {"p"} and set(tensors["p"]) == {"a", "c"}
+    assert plain == {"p": {"b": 1}, "q": {"n": "x"}}
+    joined = join_state(tensors, json.loads(json.dumps(plain)))
+    assert joined["q"] == {"n": "x"} and joined["p"]["b"] == 1 and joined["p"]["a"] is t
