@@ -128,13 +128,11 @@ def policies(cfg: Config, roles: list[str]):
                         target_modules=tuple(cfg.model.lora.target_modules))
     built = build_policies(cfg.model.layout, cfg.model.name, roles, role_groups=cfg.model.role_groups or None,
                            lora=lora, dtype=cfg.model.dtype, seed=cfg.run.seed,
-                           revision=cfg.model.revision)
+                           revision=cfg.model.revision, length_groups=cfg.train.length_groups or 4)
     if cfg.model.chat_template:
         from srpo.gateway.tools import resolve_chat_template
 
         built.tokenizer.chat_template = resolve_chat_template(cfg.model.chat_template)
-    if cfg.train.length_groups:
-        built.length_groups = cfg.train.length_groups
     if cfg.model.init_from:  # a warm start (srpo sft), same layout
         built.load_pretrained_weights(Path(cfg.model.init_from))
     for module in built.modules():
@@ -390,9 +388,7 @@ def backend(cfg: Config):
     from srpo.parallel.devices import use_device
 
     use_device(device(cfg))  # cuda:N current before any mesh, engine or tensor lands on cuda:0
-    chosen = BACKENDS[cfg.train.parallel].from_config(cfg)
-    chosen.silence_report_s = min(30.0, cfg.run.collective_timeout_s / 2)  # named before NCCL's watchdog aborts
-    return chosen
+    return BACKENDS[cfg.train.parallel].from_config(cfg)
 
 
 def engine(cfg: Config, policies_):
@@ -429,12 +425,42 @@ def activation_checkpointing(cfg: Config) -> bool:
     return cfg.run.device == "cpu" if setting == "auto" else bool(setting)
 
 
-def autocast(cfg: Config):
-    """bfloat16 autocast for the model's matmuls when ``model.autocast_bf16`` (weights stay as loaded)."""
+def loss_settings(cfg: Config):
+    """The loss hyperparameters of a run's config (``method.*``, ``train.tis_cap``)."""
+    from srpo.objective import LossSettings
+
+    m = cfg.method
+    return LossSettings(clip_eps=m.clip_eps, clip_eps_high=m.clip_eps_high, set_reduction=m.set_reduction,
+                        member_reduction=m.member_reduction, kl_coef=m.kl_coef, tis_cap=cfg.train.tis_cap or None)
+
+
+def update_settings(cfg: Config):
+    """What the update reads of a run's config (:class:`srpo.train.update.UpdateSettings`), once."""
+    from srpo.methods import UpdateSettings
+
+    t = cfg.train
+    return UpdateSettings(epochs=t.epochs, minibatches=t.minibatches, microbatches=t.microbatches,
+                          old_logprobs=t.old_logprobs, skip_zero_advantage=t.skip_zero_advantage,
+                          max_grad_norm=t.max_grad_norm, chunk_tokens=t.chunk_tokens,
+                          checkpoint_layers=activation_checkpointing(cfg),
+                          adapter_dropout=cfg.model.layout == "lora" and cfg.model.lora.dropout > 0,
+                          loss=loss_settings(cfg))
+
+
+def autocast_factory(cfg: Config):
+    """A factory of the run's autocast context (each use enters a fresh one): bfloat16 for the
+    model's matmuls when ``model.autocast_bf16`` (weights stay as loaded)."""
+    import functools
+
     import torch
 
     device_type = "cuda" if cfg.run.device.startswith("cuda") else "cpu"
-    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=cfg.model.autocast_bf16)
+    return functools.partial(torch.autocast, device_type, dtype=torch.bfloat16, enabled=cfg.model.autocast_bf16)
+
+
+def autocast(cfg: Config):
+    """One autocast context of :func:`autocast_factory`."""
+    return autocast_factory(cfg)()
 
 
 def runtime(cfg: Config, team_: Team, engine_, generator, reward_fn=None):

@@ -51,8 +51,7 @@ Positive = Annotated[Float, Field(gt=0)]
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 
-#: The fixed choices of the schema (``srpo.objective`` declares the same reductions for its own
-#: callers; a test keeps the two equal).
+#: The fixed choices of the schema, in one place: ``srpo.objective`` reads its own lists from these.
 SetReduction = Literal["sqrt", "sum", "mean"]
 MemberReduction = Literal["sum", "mean"]
 AdvantageScale = Literal["std", "none"]

@@ -10,11 +10,14 @@
 
 For the member-level methods, an event of K members is split into K single-member events before
 advantages are computed (their losses treat members independently, so only the advantages change).
+
+:class:`UpdateSettings` is how the update runs a method: passes, mini-batches, the loss's
+hyperparameters — fixed for a run, built once by :func:`srpo.build.update_settings`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -92,9 +95,31 @@ def assign_advantages(events: list[Event], method: "str | Method", *, scale: str
     return events
 
 
-def loss_settings(cfg) -> LossSettings:
-    """The loss hyperparameters of a run's config (``method.*``, ``train.tis_cap``), built once per
-    run: the update reads no config field per micro-batch."""
-    m = cfg.method
-    return LossSettings(clip_eps=m.clip_eps, clip_eps_high=m.clip_eps_high, set_reduction=m.set_reduction,
-                        member_reduction=m.member_reduction, kl_coef=m.kl_coef, tis_cap=cfg.train.tis_cap or None)
+@dataclass(frozen=True)
+class UpdateSettings:
+    """What the update reads of a run's config, fixed for the run (built once by
+    :func:`srpo.build.update_settings`; the defaults are the schema's).
+
+    Attributes:
+        epochs, minibatches, microbatches: ``train.*``: passes over a rollout, optimizer steps per
+            pass (event-atomic mini-batches), forward/backward chunks per mini-batch.
+        old_logprobs: ``recompute`` (q_old from a no-grad pass) or ``behaviour`` (the sampler's).
+        skip_zero_advantage: leave events with a zero advantage out of the forward (no KL term).
+        max_grad_norm: the clip of each policy's gradient norm.
+        chunk_tokens: the log-prob pass's vocabulary chunking (``train.chunk_tokens``).
+        checkpoint_layers: activation checkpointing, ``auto`` resolved for the device.
+        adapter_dropout: LoRA dropout acts in the update's forward (``model.lora.dropout`` > 0 under
+            the ``lora`` layout): the models train there and evaluate everywhere else.
+        loss: the loss's hyperparameters.
+    """
+
+    epochs: int = 1
+    minibatches: int = 1
+    microbatches: int = 1
+    old_logprobs: str = "recompute"
+    skip_zero_advantage: bool = True
+    max_grad_norm: float = 1.0
+    chunk_tokens: int = 0
+    checkpoint_layers: bool = False
+    adapter_dropout: bool = False
+    loss: LossSettings = field(default_factory=LossSettings)

@@ -15,10 +15,13 @@ into its members.
 from __future__ import annotations
 
 import math
+import typing
 
 import torch
 
-ADVANTAGE_SCALES = ("std", "none")
+from srpo.config import AdvantageScale
+
+ADVANTAGE_SCALES: tuple[str, ...] = typing.get_args(AdvantageScale)  # ("std", "none"), from the schema
 
 
 def group_advantages(

@@ -29,16 +29,18 @@ clipping and for a negative one caps an otherwise exploding step).
 from __future__ import annotations
 
 import math
+import typing
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from srpo.config import MemberReduction, SetReduction
 from srpo.objective.metrics import Metrics
 from srpo.registry import Registry
 
-SET_REDUCTIONS = ("sqrt", "sum", "mean")
-MEMBER_REDUCTIONS = ("sum", "mean")
+SET_REDUCTIONS: tuple[str, ...] = typing.get_args(SetReduction)  # ("sqrt", "sum", "mean"), from the schema
+MEMBER_REDUCTIONS: tuple[str, ...] = typing.get_args(MemberReduction)  # ("sum", "mean")
 
 UNITS = ("event", "member", "token")
 
@@ -81,13 +83,14 @@ def _check_choice(kind: str, value: str, valid) -> None:
 
 def set_size_scale(set_sizes: torch.Tensor, set_reduction: str, dtype=torch.float32) -> torch.Tensor:
     """c(K): (E,) factor applied to the summed member log-ratios of each event."""
-    _check_choice("set_reduction", set_reduction, SET_REDUCTIONS)
     k = set_sizes.clamp(min=1).to(dtype)
     if set_reduction == "sqrt":
         return k.rsqrt()
     if set_reduction == "mean":
         return k.reciprocal()
-    return torch.ones_like(k)
+    if set_reduction == "sum":
+        return torch.ones_like(k)
+    raise ValueError(f"unknown set_reduction {set_reduction!r}; valid: {', '.join(SET_REDUCTIONS)}")
 
 
 @dataclass
@@ -156,6 +159,8 @@ def set_log_ratio(
 
     Returns ``(L, K)``: L (E,) = c(K_e) Σ_{j∈S_e} ℓ_{e,j}, K (E,) long = members per event.
     """
+    _check_choice("set_reduction", set_reduction, SET_REDUCTIONS)
+    _check_choice("member_reduction", member_reduction, MEMBER_REDUCTIONS)
     batch = _prepare(
         logprobs, old_logprobs, mask, event_index, torch.zeros(num_events, device=logprobs.device),
         set_reduction, member_reduction, None, float("inf"),
@@ -167,8 +172,7 @@ def _prepare(
     logprobs, old_logprobs, mask, event_index, advantages, set_reduction, member_reduction,
     ref_logprobs, max_log_ratio,
 ) -> MemberBatch:
-    _check_choice("set_reduction", set_reduction, SET_REDUCTIONS)
-    _check_choice("member_reduction", member_reduction, MEMBER_REDUCTIONS)
+    """The reductions arrive checked (by :class:`LossSettings`, or :func:`set_log_ratio`)."""
     if logprobs.dim() != 2 or old_logprobs.shape != logprobs.shape or mask.shape != logprobs.shape:
         raise ValueError(
             "logprobs, old_logprobs and mask must share one (M, T) shape; got "
@@ -385,7 +389,7 @@ def _gspo_loss(b: MemberBatch, *, clip_low, clip_high, normalizer, kl_coef):
 @dataclass(frozen=True)
 class LossSettings:
     """A loss's hyperparameters: fixed for a run (built once from its config,
-    :func:`srpo.methods.loss_settings`); the defaults are SRPO's.
+    :func:`srpo.build.loss_settings`); the defaults are SRPO's.
 
     Attributes:
         clip_eps: ε_low; the ratio is clipped to [1 − ε_low, 1 + ε_high].
@@ -410,6 +414,8 @@ class LossSettings:
     tis_cap: float | None = None
 
     def __post_init__(self):
+        _check_choice("set_reduction", self.set_reduction, SET_REDUCTIONS)
+        _check_choice("member_reduction", self.member_reduction, MEMBER_REDUCTIONS)
         if self.clip_eps < 0 or (self.clip_eps_high is not None and self.clip_eps_high < 0):
             raise ValueError(f"clip ranges must be non-negative; got clip_eps={self.clip_eps}, "
                              f"clip_eps_high={self.clip_eps_high}")

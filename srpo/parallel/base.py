@@ -189,18 +189,21 @@ class DataParallel(SingleProcess):
 
     HEARTBEAT_S = 1.0  # how often each rank says it is alive (in the process group's store)
     STORE_TIMEOUT_S = 5.0  # the heartbeat's own store client gives up on a call after this long
-    #: A peer silent this long is named on stderr at once (build.backend: half of
-    #: run.collective_timeout_s, at most 30 s) — before NCCL's watchdog, which aborts the process
-    #: on a collective's timeout without running any Python, could swallow the name.
-    silence_report_s = 30.0
+    @staticmethod
+    def silence_report_for(collective_timeout_s: float) -> float:
+        """How long a peer may be silent before it is named on stderr: half of
+        ``run.collective_timeout_s``, at most 30 s — before NCCL's watchdog, which aborts the
+        process on a collective's timeout without running any Python, could swallow the name."""
+        return min(30.0, collective_timeout_s / 2)
 
     @classmethod
     def from_config(cls, cfg) -> SingleProcess:
         """DDP ranks under torchrun, else one process."""
-        ddp = cls()
+        ddp = cls(silence_report_s=cls.silence_report_for(cfg.run.collective_timeout_s))
         return ddp if ddp.enabled else SingleProcess()
 
-    def __init__(self):
+    def __init__(self, silence_report_s: float = 30.0):
+        self.silence_report_s = silence_report_s
         self.enabled = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.rank = torch.distributed.get_rank() if self.enabled else 0
         self.world = torch.distributed.get_world_size() if self.enabled else 1

@@ -210,9 +210,9 @@ class FullyShardedDataParallel(DataParallel):
     DEFAULT_LENGTH_GROUPS = 2
 
     def __init__(self, run_device: str = "cpu", bf16_compute: bool = False, length_groups: int | None = None,
-                 share_prompts: bool = False):
+                 share_prompts: bool = False, silence_report_s: float = 30.0):
         ensure_process_group(run_device)  # one process without torchrun still shards (over one rank)
-        super().__init__()
+        super().__init__(silence_report_s=silence_report_s)
         self.run_device, self.bf16_compute = run_device, bf16_compute
         self.length_groups = length_groups or self.DEFAULT_LENGTH_GROUPS
         self.share_prompts = share_prompts
@@ -225,7 +225,8 @@ class FullyShardedDataParallel(DataParallel):
     @classmethod
     def from_config(cls, cfg) -> "FullyShardedDataParallel":
         return cls(cfg.run.device, bf16_compute=cfg.model.autocast_bf16, length_groups=cfg.train.length_groups,
-                   share_prompts=cfg.train.fsdp_share_prompts)
+                   share_prompts=cfg.train.fsdp_share_prompts,
+                   silence_report_s=cls.silence_report_for(cfg.run.collective_timeout_s))
 
     def wrap(self, policies) -> None:
         """Shard every policy's model — or, for ``lora``, the one PEFT model — and its KL reference

@@ -48,7 +48,7 @@ class PolicySet:
 
     layout: str
 
-    def __init__(self, tokenizer, role_to_policy: dict[str, str]):
+    def __init__(self, tokenizer, role_to_policy: dict[str, str], *, length_groups: int = 4):
         self.tokenizer = tokenizer
         self.role_to_policy = dict(role_to_policy)
         self.versions = {pid: 0 for pid in self.policy_ids}
@@ -57,7 +57,7 @@ class PolicySet:
         #: the models are called directly.
         self.logprob_modules: dict[str, torch.nn.Module] = {}
         #: Most length groups per log-prob pass (train.length_groups) when the models are called directly.
-        self.length_groups = 4
+        self.length_groups = length_groups
         #: The same for the KL reference's passes (FSDP: the sharded reference's roots).
         self.reference_modules: dict = {}
         #: Called before every sampling call, when set (FSDP: sampling only on gathered weights).
@@ -223,8 +223,8 @@ def _sample_grouped(model, tokenizer, requests, generator, adapter_of=None) -> l
 class SharedPolicies(PolicySet):
     layout = "shared"
 
-    def __init__(self, model, tokenizer, roles: list[str]):
-        super().__init__(tokenizer, {r: "shared" for r in roles})
+    def __init__(self, model, tokenizer, roles: list[str], *, length_groups: int = 4):
+        super().__init__(tokenizer, {r: "shared" for r in roles}, length_groups=length_groups)
         self.model = model.eval()
 
     def parameters(self, policy_id):
@@ -251,10 +251,11 @@ class SharedPolicies(PolicySet):
 class LoraPolicies(PolicySet):
     layout = "lora"
 
-    def __init__(self, base_model, tokenizer, role_to_policy: dict[str, str], settings: LoraSettings = LoraSettings()):
+    def __init__(self, base_model, tokenizer, role_to_policy: dict[str, str], settings: LoraSettings = LoraSettings(),
+                 *, length_groups: int = 4):
         from peft import LoraConfig, get_peft_model
 
-        super().__init__(tokenizer, role_to_policy)
+        super().__init__(tokenizer, role_to_policy, length_groups=length_groups)
         present = {n.rsplit(".", 1)[-1] for n, _ in base_model.named_modules()}
         targets = [t for t in settings.target_modules if t in present]
         if not targets:
@@ -361,8 +362,9 @@ class LoraPolicies(PolicySet):
 class SeparatePolicies(PolicySet):
     layout = "separate"
 
-    def __init__(self, models: dict[str, torch.nn.Module], tokenizer, role_to_policy: dict[str, str]):
-        super().__init__(tokenizer, role_to_policy)
+    def __init__(self, models: dict[str, torch.nn.Module], tokenizer, role_to_policy: dict[str, str], *,
+                 length_groups: int = 4):
+        super().__init__(tokenizer, role_to_policy, length_groups=length_groups)
         missing = set(self.policy_ids) - set(models)
         if missing:
             raise ValueError(f"no model for policies {sorted(missing)}")
@@ -402,8 +404,10 @@ def build_policies(
     dtype: torch.dtype | str = torch.float32,
     seed: int = 0,
     revision: str = "",
+    length_groups: int = 4,
 ) -> PolicySet:
-    """Build the policies behind ``roles`` (``revision``: a hub model's, see :func:`load_model`).
+    """Build the policies behind ``roles`` (``revision``: a hub model's, see :func:`load_model`;
+    ``length_groups``: the most length groups per log-prob pass, ``train.length_groups``).
 
     ``role_groups`` (``lora`` and ``separate``) maps a policy id to the roles it serves; by
     default each role has its own policy.
@@ -418,11 +422,11 @@ def build_policies(
             raise ValueError(f"roles {sorted(missing)} belong to no group of role_groups")
     if layout == "shared":
         base, tok = load_model(model, dtype=dtype, seed=seed, revision=revision)
-        return SharedPolicies(base, tok, roles)
+        return SharedPolicies(base, tok, roles, length_groups=length_groups)
     if layout == "lora":
         base, tok = load_model(model, dtype=dtype, seed=seed, revision=revision)
-        return LoraPolicies(base, tok, role_to_policy, lora)
+        return LoraPolicies(base, tok, role_to_policy, lora, length_groups=length_groups)
     models, tok = {}, None
     for pid in sorted(set(role_to_policy.values())):
         models[pid], tok = load_model(model, dtype=dtype, seed=seed, revision=revision)
-    return SeparatePolicies(models, tok, role_to_policy)
+    return SeparatePolicies(models, tok, role_to_policy, length_groups=length_groups)

@@ -26,7 +26,6 @@ whole batch.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import random
@@ -117,8 +116,10 @@ class Trainer:
         self.totals = state.make_totals()  # running counters (tokens, correct, skipped steps ...)
         # (A factory, not the bound method: a reference back to the trainer would keep a dropped
         # trainer — and its run-folder lock — alive until the cycle collector runs.)
-        self.updater = PolicyUpdate(cfg, self.method, self.policies, self.backend, self.optimizers, schedulers,
-                                    functools.partial(build.autocast, cfg), self.totals, build.device(cfg))
+        self.device = build.device(cfg)
+        self.autocast = build.autocast_factory(cfg)
+        self.updater = PolicyUpdate(build.update_settings(cfg), self.method, self.policies, self.backend,
+                                    self.optimizers, schedulers, self.autocast, self.totals, self.device)
         # Each rank samples differently; the seed offset keeps ranks' rollouts independent.
         self.rollout_generator = torch.Generator().manual_seed(cfg.run.seed * 1000 + self.backend.rank)
         self.runtime = build.runtime(cfg, team, self.engine, self.rollout_generator, reward_fn)
@@ -145,9 +146,6 @@ class Trainer:
         self.logger.close()
         self.engine.close()
         self.lock.release()
-
-    def autocast(self):
-        return build.autocast(self.cfg)
 
     def _seed_everything(self, seed: int) -> None:
         random.seed(seed)
@@ -288,7 +286,7 @@ class Trainer:
         metrics.update(episode_metrics(episodes, valid, dropped, self.totals))
         self.count_failures(metrics)
         metrics.update(self.mismatch.metrics())
-        metrics.update(memory.memory_metrics(build.device(self.cfg)))
+        metrics.update(memory.memory_metrics(self.device))
         for key, count in getattr(self.retriever, "stats", {}).items():  # a retrieval server's client
             metrics[f"retriever/{key}"] = count  # since the run (this process) started
         metrics.update({"time/rollout_s": t_rollout, "time/update_s": t_update,
@@ -394,7 +392,7 @@ class Trainer:
         Activations, the rollout's KV cache and the allocator's slack come on top (the peak is
         printed at the end)."""
         weights, training = memory.floor_parts(self.policies.modules(), self.optimizers.values())
-        device = build.device(self.cfg)
+        device = self.device
         free = memory.available_bytes(device)
         where = "GPU" if device.type == "cuda" else "memory"
         text = f"memory: this run needs at least {memory.human(weights + training)} (weights, gradients, AdamW moments)"
@@ -419,7 +417,7 @@ class Trainer:
         peak = memory.peak_rss_bytes()
         text = (f"memory: peak {memory.human(peak)} resident, {peak / floor:.1f}× the floor of "
                 f"{memory.human(floor)} (weights, gradients, AdamW moments)")
-        device = build.device(self.cfg)
+        device = self.device
         if device.type == "cuda":
             text += f"; GPU peak {memory.memory_metrics(device)['memory/gpu_peak_gb']:.2f} GB"
         return text

@@ -97,6 +97,7 @@ class SupervisedTrainer:
                                                redacted(self.cfg.to_dict()), keep=cfg.checkpoint.keep)
         self.logger = build.metrics_logger(self.cfg, self.backend.rank, run_dir=self.run_dir)
         self.device = build.device(cfg)
+        self.autocast = build.autocast_factory(cfg)
         self.pad = policies.tokenizer.pad_token_id if policies.tokenizer.pad_token_id is not None else 0
 
     # -- checkpoints: the run as a dict of stateful parts (srpo.train.parts), written by srpo.train.state
@@ -128,7 +129,7 @@ class SupervisedTrainer:
         mine = batch[rank::world]
         tokens = max(self.backend.sum_int(sum(len(e.completion_ids) for e in mine)), 1)
         loss_sum = torch.zeros(())
-        with build.autocast(self.cfg):
+        with self.autocast():
             for pid in sorted({self.policies.policy_of(e.role) for e in batch}):  # the same order on every rank
                 rows = [e for e in mine if self.policies.policy_of(e.role) == pid]
                 if not rows:  # another rank forwards this policy: take part in its collectives

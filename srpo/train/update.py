@@ -12,13 +12,12 @@ import logging
 import math
 import warnings
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from srpo.events import Event, collate, global_normalizer, split_minibatches
-from srpo.build import activation_checkpointing
-from srpo.methods import loss_settings
+from srpo.methods import UpdateSettings
 from srpo.objective import LossInputs, policy_loss
 from srpo.objective.metrics import MetricAccumulator, Metrics, gradient_share_by_k
 from srpo.parallel.base import global_norm_value
@@ -31,7 +30,7 @@ class PolicyUpdate:
     """Optimises the policies on a step's advantage-assigned events.
 
     Args:
-        cfg: the run's config (``train``, ``method``, ``model`` sections are read).
+        settings: the run's :class:`~srpo.methods.UpdateSettings`.
         method: the :class:`~srpo.methods.Method` (its loss name).
         policies: the :class:`~srpo.policies.layouts.PolicySet`.
         backend: the parallel backend (collectives, gradient reduction, idle passes).
@@ -40,15 +39,14 @@ class PolicyUpdate:
             :meth:`end_step`).
         autocast: a factory of the run's autocast context.
         totals: the run's running counters (``nonfinite_steps`` is counted here).
-        device: this rank's device (default: ``run.device``).
+        device: this rank's device.
     """
 
-    def __init__(self, cfg, method, policies, backend, optimizers, schedulers, autocast, totals, device=None):
-        self.cfg, self.method, self.policies, self.backend = cfg, method, policies, backend
-        self.device = device if device is not None else torch.device(cfg.run.device)
+    def __init__(self, settings: UpdateSettings, method, policies, backend, optimizers, schedulers,
+                 autocast: Callable, totals, device: torch.device):
+        self.settings, self.method, self.policies, self.backend = settings, method, policies, backend
+        self.device = device
         self.optimizers, self.schedulers, self.autocast, self.totals = optimizers, schedulers, autocast, totals
-        self.loss_settings = loss_settings(cfg)  # the loss's hyperparameters, read once per run
-        self.checkpoint_layers = activation_checkpointing(cfg)  # train.activation_checkpointing, resolved
         self.nonfinite_in_a_row = 0
         self.reuse_forward_as_old = True  # see on_policy_single_step; tests turn it off to compare
 
@@ -79,20 +77,14 @@ class PolicyUpdate:
     def on_policy_single_step(self) -> bool:
         """One optimizer step per rollout: q_old is exactly the model the update's forward runs
         (not with LoRA dropout on: a forward with dropout is not q_old)."""
-        t = self.cfg.train
+        t = self.settings
         return (self.reuse_forward_as_old and t.old_logprobs == "recompute" and t.epochs == 1 and t.minibatches == 1
-                and not self.adapter_dropout)
-
-    @property
-    def adapter_dropout(self) -> bool:
-        """LoRA dropout (``model.lora.dropout`` > 0) acts in the update's forward: the models are in
-        training mode there and in eval mode everywhere else (sampling, q_old, the reference)."""
-        return self.cfg.model.layout == "lora" and self.cfg.model.lora.dropout > 0
+                and not t.adapter_dropout)
 
     def events_to_forward(self, events: list[Event]) -> list[Event]:
         """The events whose log-probs the update needs: all of them, or (``train.skip_zero_advantage``,
         no KL penalty) those with a non-zero advantage — the others add exactly nothing to the gradient."""
-        if self.cfg.train.skip_zero_advantage and not self.cfg.method.kl_coef > 0:
+        if self.settings.skip_zero_advantage and not self.settings.loss.kl_coef > 0:
             return [e for e in events if e.advantage != 0]
         return events
 
@@ -118,7 +110,7 @@ class PolicyUpdate:
         M, T = batch.action_mask.shape
         lp = torch.zeros(M, T, device=batch.input_ids.device)
         ent = torch.zeros(M, T, device=batch.input_ids.device)
-        with torch.set_grad_enabled(grad), self.autocast(), self._training_mode(grad and self.adapter_dropout):
+        with torch.set_grad_enabled(grad), self.autocast(), self._training_mode(grad and self.settings.adapter_dropout):
             present = set(batch.policy_ids)
             for pid in self._pass_order(present):
                 if pid not in present:  # another rank may forward this policy: join its collectives
@@ -128,8 +120,8 @@ class PolicyUpdate:
                 out = self.policies.logprobs(
                     pid, batch.input_ids[rows], batch.attention_mask[rows], batch.prompt_length,
                     action_mask=batch.action_mask[rows], temperature=batch.temperatures[rows],
-                    chunk_tokens=self.cfg.train.chunk_tokens, return_entropy=entropy,
-                    checkpoint_layers=grad and self.checkpoint_layers)
+                    chunk_tokens=self.settings.chunk_tokens, return_entropy=entropy,
+                    checkpoint_layers=grad and self.settings.checkpoint_layers)
                 if entropy:
                     out, e = out
                     ent = ent.index_put((rows,), e)
@@ -157,7 +149,7 @@ class PolicyUpdate:
                 ref[rows] = self.policies.reference_logprobs(
                     pid, batch.input_ids[rows], batch.attention_mask[rows], batch.prompt_length,
                     action_mask=batch.action_mask[rows], temperature=batch.temperatures[rows],
-                    chunk_tokens=self.cfg.train.chunk_tokens)
+                    chunk_tokens=self.settings.chunk_tokens)
         return ref
 
     def idle_pass(self, *, grad: bool) -> None:
@@ -167,7 +159,7 @@ class PolicyUpdate:
             return
         with self.autocast():
             idle = self.backend.idle_pass(self.policies, self.policies.policy_ids, grad=grad)
-            if grad and self.cfg.method.kl_coef > 0:  # the others also run their KL references
+            if grad and self.settings.loss.kl_coef > 0:  # the others also run their KL references
                 self.backend.idle_pass(self.policies, self.policies.policy_ids, grad=False, reference=True)
         if grad:
             idle.backward()
@@ -175,7 +167,7 @@ class PolicyUpdate:
     def recompute_old_logprobs(self, events: list[Event], mismatch: RolloutMismatch) -> None:
         """Set each member's q_old with a no-grad pass (its gap to the behaviour log-probs goes to
         ``mismatch``)."""
-        chunks, _ = split_minibatches(events, max(1, self.cfg.train.microbatches), "srpo")
+        chunks, _ = split_minibatches(events, max(1, self.settings.microbatches), "srpo")
         for part in chunks:
             if not part:
                 self.idle_pass(grad=False)
@@ -196,7 +188,7 @@ class PolicyUpdate:
         Every rank must call it with the same number of mini-batches; an empty one still takes
         part in the gradient sum.
         """
-        t = self.cfg.train
+        t = self.settings
         acc = MetricAccumulator()  # the loss's metrics (prefixed objective/ below)
         roles = MetricAccumulator()  # per-role lengths, entropy and KL (role/<role>/...)
         roles.add(role_lengths(events))
@@ -226,7 +218,7 @@ class PolicyUpdate:
 
     def _minibatch(self, mb: list[Event], epoch: int, acc, roles, mismatch, counts) -> torch.Tensor:
         """Forward and backward every micro-batch of one mini-batch; returns this rank's loss."""
-        t = self.cfg.train
+        t = self.settings
         device = self.device
         normalizer = max(self.backend.sum_int(global_normalizer(mb, self.method.loss)), 1)
         micro, _ = split_minibatches(mb, t.microbatches, self.method.loss)
@@ -243,7 +235,7 @@ class PolicyUpdate:
             want_entropy = epoch == 0
             lp, ent = self.logprobs(batch, grad=True, entropy=True) if want_entropy else \
                 (self.logprobs(batch, grad=True), None)
-            ref = self.reference_logprobs(batch) if self.loss_settings.kl_coef > 0 else None
+            ref = self.reference_logprobs(batch) if self.settings.loss.kl_coef > 0 else None
             # A single optimizer step per rollout (strictly on-policy): q_old is the current model,
             # whose log-probs this very forward computes; reuse them rather than running the same
             # forward twice (bit-identical to a recompute pass).
@@ -253,8 +245,8 @@ class PolicyUpdate:
             loss, metrics = policy_loss(self.method.loss, LossInputs(
                 logprobs=lp, old_logprobs=old, mask=batch.action_mask, event_index=batch.event_index,
                 advantages=batch.advantages.to(device), normalizer=normalizer, ref_logprobs=ref,
-                behaviour_logprobs=batch.behaviour_logprobs.to(lp.device) if self.loss_settings.tis_cap else None,
-                member_set_sizes=batch.member_set_sizes.to(device)), self.loss_settings)
+                behaviour_logprobs=batch.behaviour_logprobs.to(lp.device) if self.settings.loss.tis_cap else None,
+                member_set_sizes=batch.member_set_sizes.to(device)), self.settings.loss)
             metrics.update_from(gradient_share_by_k(loss, lp, batch.member_set_sizes.to(device)))
             loss.backward()
             total_loss += loss.detach().cpu()
@@ -265,7 +257,7 @@ class PolicyUpdate:
 
     def _optimizer_step(self, loss: torch.Tensor, grad_norms: dict[str, float]) -> int:
         """Sum gradients across ranks, check them, clip and step each policy; 1 if skipped."""
-        norms = guarded_optimizer_step(self.policies, self.optimizers, self.backend, loss, self.cfg.train.max_grad_norm)
+        norms = guarded_optimizer_step(self.policies, self.optimizers, self.backend, loss, self.settings.max_grad_norm)
         if norms is None:
             self.nonfinite_in_a_row += 1
             self.totals["nonfinite_steps"] += 1
