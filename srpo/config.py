@@ -51,6 +51,10 @@ Positive = Annotated[Float, Field(gt=0)]
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 
+#: The one default of every generation budget (workflow.max_new_tokens; srpo.types.SamplingParams
+#: and srpo.workflows.Workflow take theirs from here).
+DEFAULT_MAX_NEW_TOKENS = 128
+
 #: The fixed choices of the schema, in one place: ``srpo.objective`` reads its own lists from these.
 SetReduction = Literal["sqrt", "sum", "mean"]
 MemberReduction = Literal["sum", "mean"]
@@ -164,8 +168,9 @@ class WorkflowConfig(Section):
     options: dict[str, Any] = Field(default_factory=dict)
     """The workflow's own options (num_workers, rounds, max_turns, top_k, ...), checked against the
     workflow's declared option fields."""
-    max_new_tokens: PositiveInt = 128
-    """Tokens each role may generate per call (a role's override wins)."""
+    max_new_tokens: PositiveInt = DEFAULT_MAX_NEW_TOKENS
+    """Tokens each role may generate per call (a role's override wins; a workflow may cap a role
+    lower, e.g. the router's one-line choice)."""
     temperature: NonNegative = 1.0
     """Sampling temperature of every role during training (a role's override wins)."""
     system: str | None = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from srpo.config import DEFAULT_MAX_NEW_TOKENS
 from srpo.tasks.base import Task
 
 if TYPE_CHECKING:
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
-    max_new_tokens: int = 64
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     stop: tuple[str, ...] = ()
     #: called with each token id as it is drawn, in the sampling thread (streamed replies: srpo's
     #: sampler and the vLLM engine call it; an engine that does not leaves the reply whole)

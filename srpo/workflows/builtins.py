@@ -28,6 +28,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, TypeAdapter, ValidationError
 
+from srpo.config import DEFAULT_MAX_NEW_TOKENS
 from srpo.registry import Registry
 from srpo.tasks.base import Task
 from srpo.tasks.kinds import task_kind
@@ -86,7 +87,10 @@ class Workflow:
     batch_window_s = 0.0  # see srpo.workflows.runtime: set by workflows whose programs run outside it
     max_batch_wait_s: typing.ClassVar[float | None] = None
     kind: str = "math"  # the task kind the default prompts are written for
-    max_new_tokens: int = 256
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    #: Role → the most tokens that role may generate, whatever ``max_new_tokens`` says (a router's
+    #: one-line choice); applied in :meth:`default_role_specs`, the one place budgets resolve.
+    role_caps: typing.ClassVar[dict[str, int]] = {}
     temperature: float = 1.0
 
     @classmethod
@@ -112,9 +116,14 @@ class Workflow:
     def roles(self) -> list[str]:
         raise NotImplementedError
 
+    def sampling(self, role: str, **extra) -> SamplingParams:
+        """``role``'s default sampling: the workflow's temperature and budget, capped by
+        :attr:`role_caps` (``extra``: stop strings and the like)."""
+        budget = min(self.max_new_tokens, self.role_caps.get(role, self.max_new_tokens))
+        return SamplingParams(temperature=self.temperature, max_new_tokens=budget, **extra)
+
     def default_role_specs(self) -> dict[str, RoleSpec]:
-        params = SamplingParams(temperature=self.temperature, max_new_tokens=self.max_new_tokens)
-        return {r: RoleSpec(r, system=_system(self.kind), sampling=params) for r in self.roles()}
+        return {r: RoleSpec(r, system=_system(self.kind), sampling=self.sampling(r)) for r in self.roles()}
 
     async def run(self, ctx: EpisodeContext, task: Task) -> str:
         raise NotImplementedError
@@ -175,8 +184,7 @@ class Roles(Workflow):
 
     def default_role_specs(self):
         # as openai_agent's: the client writes the messages
-        params = SamplingParams(temperature=self.temperature, max_new_tokens=self.max_new_tokens)
-        return {r: RoleSpec(r, sampling=params) for r in self.roles()}
+        return {r: RoleSpec(r, sampling=self.sampling(r)) for r in self.roles()}
 
     async def run(self, ctx, task):
         raise WorkflowError("the roles workflow serves roles to clients; it runs no episodes (give --workflow)")
@@ -238,6 +246,7 @@ class ParallelAggregate(Workflow):
 @dataclass
 class Routed(Workflow):
     num_workers: Count = 3
+    role_caps: typing.ClassVar[dict[str, int]] = {"router": 32}  # one line: WORKERS: 1, 2
     fallback: typing.Literal["all", "first"] = "all"  # what an unparseable router choice means
     max_chosen: Annotated[int, Field(ge=0)] = 0  # the most workers one episode may run (0: all); extra choices dropped
 
@@ -254,8 +263,7 @@ class Routed(Workflow):
         specs = super().default_role_specs()
         specs["router"] = replace(specs["router"], system=(
             f"You assign a problem to solvers numbered 1 to {self.num_workers}. Harder problems need "
-            f"more solvers. Reply only with the line WORKERS: followed by the numbers, e.g. WORKERS: 1, 2."),
-            sampling=replace(specs["router"].sampling, max_new_tokens=min(32, self.max_new_tokens)))
+            f"more solvers. Reply only with the line WORKERS: followed by the numbers, e.g. WORKERS: 1, 2."))
         return specs
 
     async def run(self, ctx, task):
@@ -287,14 +295,12 @@ class Search(Workflow):
     retriever: Retriever | None = None
     max_turns: Count = 3
     top_k: Count = 3
-    max_new_tokens: int = 96
 
     def roles(self):
         return ["searcher"]
 
     def default_role_specs(self):
-        params = SamplingParams(temperature=self.temperature, max_new_tokens=self.max_new_tokens,
-                                stop=("</search>", "</answer>"))
+        params = self.sampling("searcher", stop=("</search>", "</answer>"))
         return {"searcher": RoleSpec("searcher", system=SEARCH_SYSTEM, sampling=params)}
 
     async def run(self, ctx, task):
@@ -326,23 +332,23 @@ class SearchTeam(Workflow):
     num_searchers: Count = 1
     max_turns: Count = 3
     top_k: Count = 3
-    max_new_tokens: int = 64
+    role_caps: typing.ClassVar[dict[str, int]] = {"verifier": 16}  # one word: SEARCH or ANSWER
 
     def roles(self):
         return ["verifier"] + [f"searcher_{i + 1}" for i in range(self.num_searchers)] + ["answerer"]
 
     def default_role_specs(self):
-        base = SamplingParams(temperature=self.temperature, max_new_tokens=self.max_new_tokens)
         specs = {
             "verifier": RoleSpec("verifier", system=(
                 "You decide whether the information gathered so far answers the question. Reply SEARCH "
-                "if more information is needed, or ANSWER if it is enough."), sampling=replace(base, max_new_tokens=16)),
-            "answerer": RoleSpec("answerer", system=QA_SYSTEM, sampling=replace(base, stop=("</answer>",))),
+                "if more information is needed, or ANSWER if it is enough."), sampling=self.sampling("verifier")),
+            "answerer": RoleSpec("answerer", system=QA_SYSTEM, sampling=self.sampling("answerer", stop=("</answer>",))),
         }
         for i in range(self.num_searchers):
-            specs[f"searcher_{i + 1}"] = RoleSpec(f"searcher_{i + 1}", system=(
+            role = f"searcher_{i + 1}"
+            specs[role] = RoleSpec(role, system=(
                 "Write one search query that would find information to answer the question, as "
-                "<search>query</search>."), sampling=replace(base, stop=("</search>",)))
+                "<search>query</search>."), sampling=self.sampling(role, stop=("</search>",)))
         return specs
 
     async def run(self, ctx, task):

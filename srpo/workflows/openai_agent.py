@@ -36,7 +36,7 @@ from pydantic import Field
 
 from srpo.workflows import agent_worker
 from srpo.workflows.builtins import Count, OptionError, Workflow, register_workflow
-from srpo.types import RoleSpec, SamplingParams
+from srpo.types import RoleSpec
 from srpo.workflows.runtime import WorkflowError
 
 log = logging.getLogger(__name__)
@@ -140,8 +140,7 @@ class OpenAIAgent(Workflow):
     def default_role_specs(self) -> dict[str, RoleSpec]:
         # The program writes the messages; the role settings give the sampling defaults and the
         # token budget a request's max_tokens is capped at.
-        params = SamplingParams(temperature=self.temperature, max_new_tokens=self.max_new_tokens)
-        return {r: RoleSpec(r, sampling=params) for r in self.roles()}
+        return {r: RoleSpec(r, sampling=self.sampling(r)) for r in self.roles()}
 
     async def run(self, ctx, task):
         from srpo.gateway import server
