@@ -29,7 +29,7 @@ def memory_child(mode: str, threads: int) -> dict:
 
     torch.set_num_threads(threads)
     from srpo.policies import load_model
-    from srpo.policies.logprobs import completion_logprobs, completion_logprobs_plain
+    from srpo.policies.logprobs import LogprobPass, completion_logprobs, completion_logprobs_plain
 
     model, _ = load_model("smollm2-135m")
     g = torch.Generator().manual_seed(0)
@@ -40,7 +40,7 @@ def memory_child(mode: str, threads: int) -> dict:
     if mode == "plain":
         lp = completion_logprobs_plain(model, ids, attn, 64)
     else:
-        lp = completion_logprobs(model, ids, attn, 64, chunk_tokens=1024, share_prompts=False)
+        lp = completion_logprobs(model, ids, attn, 64, how=LogprobPass(chunk_tokens=1024, share_prompts=False))
     lp.sum().backward()
     seconds = time.perf_counter() - t
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

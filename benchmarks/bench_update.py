@@ -46,7 +46,7 @@ def child(mode: str, threads: int) -> dict:
 
     torch.set_num_threads(threads)
     from srpo.policies import load_model
-    from srpo.policies.logprobs import completion_logprobs
+    from srpo.policies.logprobs import LogprobPass, completion_logprobs
 
     if mode.endswith("+ckpt"):  # as the trainer does with train.activation_checkpointing on a CPU
         from srpo.policies.activation_checkpointing import return_freed_blocks_to_the_os
@@ -66,8 +66,8 @@ def child(mode: str, threads: int) -> dict:
         before = rss_mb()
         t = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode.startswith("bf16")):
-            lp = completion_logprobs(model, ids, attn, 64, chunk_tokens=chunk_tokens, share_prompts=False,
-                                     checkpoint_layers=mode.endswith("+ckpt"))
+            lp = completion_logprobs(model, ids, attn, 64, how=LogprobPass(
+                chunk_tokens=chunk_tokens, share_prompts=False, checkpoint_layers=mode.endswith("+ckpt")))
         lp.mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=False)

@@ -128,7 +128,7 @@ def policies(cfg: Config, roles: list[str]):
                         target_modules=tuple(cfg.model.lora.target_modules))
     built = build_policies(cfg.model.layout, cfg.model.name, roles, role_groups=cfg.model.role_groups or None,
                            lora=lora, dtype=cfg.model.dtype, seed=cfg.run.seed,
-                           revision=cfg.model.revision, length_groups=cfg.train.length_groups or 4)
+                           revision=cfg.model.revision, logprob_pass=logprob_pass(cfg))
     if cfg.model.chat_template:
         from srpo.gateway.tools import resolve_chat_template
 
@@ -149,6 +149,15 @@ def load_device(cfg: Config):
     from srpo.parallel import backend_capabilities
 
     return torch.device("cpu") if backend_capabilities(cfg.train.parallel).shards_parameters else device(cfg)
+
+
+def logprob_pass(cfg: Config):
+    """How a run's log-prob passes run when the models are called directly (a sharding backend
+    sets the length groups its own way): ``train.chunk_tokens``, ``train.length_groups``."""
+    from srpo.policies.logprobs import LogprobPass
+
+    groups = {"max_length_groups": cfg.train.length_groups} if cfg.train.length_groups else {}
+    return LogprobPass(chunk_tokens=cfg.train.chunk_tokens, **groups)
 
 
 def device(cfg: Config):
@@ -441,7 +450,7 @@ def update_settings(cfg: Config):
     t = cfg.train
     return UpdateSettings(epochs=t.epochs, minibatches=t.minibatches, microbatches=t.microbatches,
                           old_logprobs=t.old_logprobs, skip_zero_advantage=t.skip_zero_advantage,
-                          max_grad_norm=t.max_grad_norm, chunk_tokens=t.chunk_tokens,
+                          max_grad_norm=t.max_grad_norm,
                           checkpoint_layers=activation_checkpointing(cfg),
                           adapter_dropout=cfg.model.layout == "lora" and cfg.model.lora.dropout > 0,
                           loss=loss_settings(cfg))

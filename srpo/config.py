@@ -54,6 +54,8 @@ NonNegativeInt = Annotated[int, Field(ge=0)]
 #: The one default of every generation budget (workflow.max_new_tokens; srpo.types.SamplingParams
 #: and srpo.workflows.Workflow take theirs from here).
 DEFAULT_MAX_NEW_TOKENS = 128
+#: The one default of the log-prob pass's vocabulary chunk (train.chunk_tokens; srpo.policies.logprobs.LogprobPass).
+DEFAULT_CHUNK_TOKENS = 1024
 
 #: The fixed choices of the schema, in one place: ``srpo.objective`` reads its own lists from these.
 SetReduction = Literal["sqrt", "sum", "mean"]
@@ -310,7 +312,7 @@ class TrainConfig(Section):
     keeps the peak at ≤ 0.75× TRL's (0.71–0.74× on, 0.89–0.93× off;
     benchmarks/bench_checkpointing_cost.py): set false where speed matters more than memory.  Off
     on CUDA, where its cost has not been measured here."""
-    chunk_tokens: PositiveInt = 1024
+    chunk_tokens: PositiveInt = DEFAULT_CHUNK_TOKENS
     """Positions per vocabulary-projection chunk in the log-prob pass."""
     length_groups: PositiveInt | None = None
     """Most groups of similar length per log-prob pass, each padded only to its own longest row

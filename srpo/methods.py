@@ -106,7 +106,6 @@ class UpdateSettings:
         old_logprobs: ``recompute`` (q_old from a no-grad pass) or ``behaviour`` (the sampler's).
         skip_zero_advantage: leave events with a zero advantage out of the forward (no KL term).
         max_grad_norm: the clip of each policy's gradient norm.
-        chunk_tokens: the log-prob pass's vocabulary chunking (``train.chunk_tokens``).
         checkpoint_layers: activation checkpointing, ``auto`` resolved for the device.
         adapter_dropout: LoRA dropout acts in the update's forward (``model.lora.dropout`` > 0 under
             the ``lora`` layout): the models train there and evaluate everywhere else.
@@ -119,7 +118,6 @@ class UpdateSettings:
     old_logprobs: str = "recompute"
     skip_zero_advantage: bool = True
     max_grad_norm: float = 1.0
-    chunk_tokens: int = 0
     checkpoint_layers: bool = False
     adapter_dropout: bool = False
     loss: LossSettings = field(default_factory=LossSettings)

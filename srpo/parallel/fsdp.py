@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -41,7 +42,7 @@ from torch import nn
 from srpo.parallel.base import DataParallel, register_backend
 from srpo.parallel.devices import device_type, process_group_backend
 from srpo.policies.activation_checkpointing import decoder_layers
-from srpo.policies.logprobs import completion_logprobs
+from srpo.policies.logprobs import LogprobPass, completion_logprobs
 
 
 class LogProbModule(nn.Module):
@@ -60,11 +61,12 @@ class LogProbModule(nn.Module):
         self.length_groups, self.share_prompts = length_groups, share_prompts
 
     def forward(self, input_ids, attention_mask, prompt_length, action_mask=None, temperature=1.0,
-                chunk_tokens: int = 1024, return_entropy: bool = False, checkpoint_layers: bool = False):
+                return_entropy: bool = False, how: LogprobPass = LogprobPass()):
+        """The policy set's pass (``how``: its chunking and checkpointing), with this root's
+        length groups, prompt sharing and a fixed number of backbone calls."""
+        how = replace(how, share_prompts=self.share_prompts, max_length_groups=self.length_groups, fixed_calls=True)
         return completion_logprobs(self.model, input_ids, attention_mask, prompt_length, action_mask=action_mask,
-                                   temperature=temperature, chunk_tokens=chunk_tokens, return_entropy=return_entropy,
-                                   checkpoint_layers=checkpoint_layers, share_prompts=self.share_prompts,
-                                   max_length_groups=self.length_groups, fixed_calls=True)
+                                   temperature=temperature, return_entropy=return_entropy, how=how)
 
 
 def ensure_process_group(run_device: str = "cpu") -> None:

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from srpo.policies.logprobs import completion_logprobs
+from srpo.policies.logprobs import LogprobPass, completion_logprobs
 from srpo.policies.models import load_model
 from srpo.policies.sampling import sample
 from srpo.types import GenerationRequest, Sample
@@ -48,7 +48,7 @@ class PolicySet:
 
     layout: str
 
-    def __init__(self, tokenizer, role_to_policy: dict[str, str], *, length_groups: int = 4):
+    def __init__(self, tokenizer, role_to_policy: dict[str, str], *, logprob_pass: LogprobPass = LogprobPass()):
         self.tokenizer = tokenizer
         self.role_to_policy = dict(role_to_policy)
         self.versions = {pid: 0 for pid in self.policy_ids}
@@ -56,8 +56,9 @@ class PolicySet:
         #: set by a parallel backend (FSDP's root unit, through which its collectives run); empty:
         #: the models are called directly.
         self.logprob_modules: dict[str, torch.nn.Module] = {}
-        #: Most length groups per log-prob pass (train.length_groups) when the models are called directly.
-        self.length_groups = length_groups
+        #: How this set's log-prob passes run (chunking, length groups; a sharding backend's
+        #: wrapper keeps the chunking and sets the rest its own way).
+        self.logprob_pass = logprob_pass
         #: The same for the KL reference's passes (FSDP: the sharded reference's roots).
         self.reference_modules: dict = {}
         #: Called before every sampling call, when set (FSDP: sampling only on gathered weights).
@@ -128,32 +129,27 @@ class PolicySet:
 
     # -- shared behaviour -----------------------------------------------------------------------
     def logprobs(self, policy_id: str, input_ids, attention_mask, prompt_length, *, action_mask=None,
-                 temperature=1.0, chunk_tokens: int = 1024, return_entropy: bool = False,
-                 checkpoint_layers: bool = False):
-        """(m, T) teacher-forced log-probs of completion tokens under ``policy_id`` (with grad)."""
+                 temperature=1.0, return_entropy: bool = False, checkpoint_layers: bool = False):
+        """(m, T) teacher-forced log-probs of completion tokens under ``policy_id`` (with grad),
+        run as the set's :attr:`logprob_pass` says (``checkpoint_layers``: for this pass)."""
+        how = replace(self.logprob_pass, checkpoint_layers=checkpoint_layers)
         if self.logprob_modules:  # through the backend's wrapper (FSDP gathers, reduces gradients)
             return self.logprob_modules[policy_id](input_ids, attention_mask, prompt_length, action_mask=action_mask,
-                                               temperature=temperature, chunk_tokens=chunk_tokens,
-                                               return_entropy=return_entropy, checkpoint_layers=checkpoint_layers)
-        return completion_logprobs(
-            self.model_for(policy_id), input_ids, attention_mask, prompt_length,
-            action_mask=action_mask, temperature=temperature, chunk_tokens=chunk_tokens,
-            return_entropy=return_entropy, checkpoint_layers=checkpoint_layers, max_length_groups=self.length_groups,
-        )
+                                                   temperature=temperature, return_entropy=return_entropy, how=how)
+        return completion_logprobs(self.model_for(policy_id), input_ids, attention_mask, prompt_length,
+                                   action_mask=action_mask, temperature=temperature, return_entropy=return_entropy,
+                                   how=how)
 
     def reference_logprobs(self, policy_id: str, input_ids, attention_mask, prompt_length, *, action_mask=None,
-                           temperature=1.0, chunk_tokens: int = 1024) -> torch.Tensor:
+                           temperature=1.0) -> torch.Tensor:
         """(m, T) log-probs under the frozen reference (the initial weights), no gradient."""
         with torch.no_grad():
             if self.reference_modules:  # through the backend's wrapper (FSDP gathers the reference's shards)
                 return self.reference_modules[policy_id](input_ids, attention_mask, prompt_length,
                                                          action_mask=action_mask, temperature=temperature,
-                                                         chunk_tokens=chunk_tokens)
-            return completion_logprobs(
-                self.reference_model(policy_id), input_ids, attention_mask, prompt_length,
-                action_mask=action_mask, temperature=temperature, chunk_tokens=chunk_tokens,
-                max_length_groups=self.length_groups,
-            )
+                                                         how=self.logprob_pass)
+            return completion_logprobs(self.reference_model(policy_id), input_ids, attention_mask, prompt_length,
+                                       action_mask=action_mask, temperature=temperature, how=self.logprob_pass)
 
     def freeze_reference(self) -> None:
         """Keep a frozen copy of the current weights as the KL reference (call before training)."""
@@ -223,8 +219,8 @@ def _sample_grouped(model, tokenizer, requests, generator, adapter_of=None) -> l
 class SharedPolicies(PolicySet):
     layout = "shared"
 
-    def __init__(self, model, tokenizer, roles: list[str], *, length_groups: int = 4):
-        super().__init__(tokenizer, {r: "shared" for r in roles}, length_groups=length_groups)
+    def __init__(self, model, tokenizer, roles: list[str], *, logprob_pass: LogprobPass = LogprobPass()):
+        super().__init__(tokenizer, {r: "shared" for r in roles}, logprob_pass=logprob_pass)
         self.model = model.eval()
 
     def parameters(self, policy_id):
@@ -252,10 +248,10 @@ class LoraPolicies(PolicySet):
     layout = "lora"
 
     def __init__(self, base_model, tokenizer, role_to_policy: dict[str, str], settings: LoraSettings = LoraSettings(),
-                 *, length_groups: int = 4):
+                 *, logprob_pass: LogprobPass = LogprobPass()):
         from peft import LoraConfig, get_peft_model
 
-        super().__init__(tokenizer, role_to_policy, length_groups=length_groups)
+        super().__init__(tokenizer, role_to_policy, logprob_pass=logprob_pass)
         present = {n.rsplit(".", 1)[-1] for n, _ in base_model.named_modules()}
         targets = [t for t in settings.target_modules if t in present]
         if not targets:
@@ -341,17 +337,15 @@ class LoraPolicies(PolicySet):
         self.enable_adapter_grads()
 
     def reference_logprobs(self, policy_id, input_ids, attention_mask, prompt_length, *, action_mask=None,
-                           temperature=1.0, chunk_tokens=1024):
+                           temperature=1.0):
         """The reference of a LoRA policy is the frozen base: the same model with adapters off."""
         if self.reference_modules:  # FSDP: through the shared root, adapters off
             return super().reference_logprobs(policy_id, input_ids, attention_mask, prompt_length,
-                                              action_mask=action_mask, temperature=temperature,
-                                              chunk_tokens=chunk_tokens)
+                                              action_mask=action_mask, temperature=temperature)
         try:
             with torch.no_grad(), self.model.disable_adapter():
                 return completion_logprobs(self.model, input_ids, attention_mask, prompt_length,
-                                           action_mask=action_mask, temperature=temperature, chunk_tokens=chunk_tokens,
-                                           max_length_groups=self.length_groups)
+                                           action_mask=action_mask, temperature=temperature, how=self.logprob_pass)
         finally:  # PEFT re-enables only the active adapter's gradients; every adapter trains
             self.enable_adapter_grads()
 
@@ -363,8 +357,8 @@ class SeparatePolicies(PolicySet):
     layout = "separate"
 
     def __init__(self, models: dict[str, torch.nn.Module], tokenizer, role_to_policy: dict[str, str], *,
-                 length_groups: int = 4):
-        super().__init__(tokenizer, role_to_policy, length_groups=length_groups)
+                 logprob_pass: LogprobPass = LogprobPass()):
+        super().__init__(tokenizer, role_to_policy, logprob_pass=logprob_pass)
         missing = set(self.policy_ids) - set(models)
         if missing:
             raise ValueError(f"no model for policies {sorted(missing)}")
@@ -404,10 +398,10 @@ def build_policies(
     dtype: torch.dtype | str = torch.float32,
     seed: int = 0,
     revision: str = "",
-    length_groups: int = 4,
+    logprob_pass: LogprobPass = LogprobPass(),
 ) -> PolicySet:
     """Build the policies behind ``roles`` (``revision``: a hub model's, see :func:`load_model`;
-    ``length_groups``: the most length groups per log-prob pass, ``train.length_groups``).
+    ``logprob_pass``: how its log-prob passes run, :class:`~srpo.policies.logprobs.LogprobPass`).
 
     ``role_groups`` (``lora`` and ``separate``) maps a policy id to the roles it serves; by
     default each role has its own policy.
@@ -422,11 +416,11 @@ def build_policies(
             raise ValueError(f"roles {sorted(missing)} belong to no group of role_groups")
     if layout == "shared":
         base, tok = load_model(model, dtype=dtype, seed=seed, revision=revision)
-        return SharedPolicies(base, tok, roles, length_groups=length_groups)
+        return SharedPolicies(base, tok, roles, logprob_pass=logprob_pass)
     if layout == "lora":
         base, tok = load_model(model, dtype=dtype, seed=seed, revision=revision)
-        return LoraPolicies(base, tok, role_to_policy, lora, length_groups=length_groups)
+        return LoraPolicies(base, tok, role_to_policy, lora, logprob_pass=logprob_pass)
     models, tok = {}, None
     for pid in sorted(set(role_to_policy.values())):
         models[pid], tok = load_model(model, dtype=dtype, seed=seed, revision=revision)
-    return SeparatePolicies(models, tok, role_to_policy, length_groups=length_groups)
+    return SeparatePolicies(models, tok, role_to_policy, logprob_pass=logprob_pass)

@@ -13,9 +13,12 @@ generic recompute of every elementwise step.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from srpo.config import DEFAULT_CHUNK_TOKENS
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -265,6 +268,35 @@ def _row_temperatures(temperature, select: torch.Tensor) -> torch.Tensor:
     return t[:, None].expand(select.shape)[select][:, None]
 
 
+@dataclass(frozen=True)
+class LogprobPass:
+    """How a log-prob pass runs — fixed for a run (a policy set holds its own, built from the
+    config by :func:`srpo.build.policies`); none of them changes the values or gradients.
+
+    Attributes:
+        chunk_tokens: positions per vocabulary-projection chunk (``train.chunk_tokens``).
+        keep_probs_bytes: when all selected positions' float32 probabilities fit in this many
+            bytes, the forward keeps them for the backward (one vocabulary matmul less); beyond
+            it, each chunk's logits are recomputed in the backward (memory bounded by one chunk).
+        share_prompts: run each distinct prompt through the model once and continue every
+            completion from its prompt's KV cache (the G samples of a task, and the members of
+            one event, usually share a prompt).
+        checkpoint_layers: activation checkpointing of every decoder layer, recomputed in the
+            backward (:mod:`srpo.policies.activation_checkpointing`); acts only with gradients on.
+        max_length_groups: most groups of similar length (:func:`length_buckets`, ``train.length_groups``).
+        fixed_calls: run the backbone exactly ``max_length_groups`` times (+ 1 prompt pass with
+            ``share_prompts``) whatever the rows — what a sharded model needs (see
+            :class:`srpo.parallel.fsdp.LogProbModule`).
+    """
+
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    keep_probs_bytes: int = 256 * 2**20
+    share_prompts: bool = True
+    checkpoint_layers: bool = False
+    max_length_groups: int = 4
+    fixed_calls: bool = False
+
+
 def completion_logprobs(
     model,
     input_ids: torch.Tensor,
@@ -273,13 +305,8 @@ def completion_logprobs(
     *,
     action_mask: torch.Tensor | None = None,
     temperature: float | torch.Tensor = 1.0,
-    chunk_tokens: int = 1024,
-    keep_probs_bytes: int = 256 * 2**20,
     return_entropy: bool = False,
-    share_prompts: bool = True,
-    checkpoint_layers: bool = False,
-    max_length_groups: int = 4,
-    fixed_calls: bool = False,
+    how: LogprobPass = LogprobPass(),
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the completion tokens under ``model`` (with gradient when enabled).
 
@@ -292,43 +319,31 @@ def completion_logprobs(
         temperature: the sampling temperature, a float or (M,) per row; log-probs are of
             ``softmax(logits / temperature)``, the distribution the behaviour log-probs were
             recorded under (rows sampled greedily use 1).
-        chunk_tokens: positions per vocabulary-projection chunk.
-        keep_probs_bytes: when all selected positions' float32 probabilities fit in this many
-            bytes, the forward keeps them for the backward (one vocabulary matmul less); beyond
-            it, each chunk's logits are recomputed in the backward (memory bounded by one chunk).
         return_entropy: also return the (M, T) entropy of q at each position (detached).
-        share_prompts: run each distinct prompt through the model once and continue every
-            completion from its prompt's KV cache (the G samples of a task, and the members of
-            one event, usually share a prompt).  Same values and gradients as the plain pass.
-        checkpoint_layers: activation checkpointing of every decoder layer (recomputed in the
-            backward; see :mod:`srpo.policies.activation_checkpointing`).  Same values and gradients.
-        max_length_groups: most groups of similar length (:func:`length_buckets`).
-        fixed_calls: run the backbone exactly ``max_length_groups`` times (+ 1 prompt pass with
-            ``share_prompts``) whatever the rows — what a sharded model needs (see
-            :class:`srpo.parallel.fsdp.LogProbModule`).  Same values and gradients.
+        how: how the pass runs (:class:`LogprobPass`): chunking, prompt sharing, checkpointing,
+            length groups — the same values and gradients whatever it says.
 
     Returns:
         (M, T) float32 log-probs, 0 off the mask (and the entropies when asked).
     """
     P = prompt_length
-    T = input_ids.shape[1] - P
     if action_mask is None:
         action_mask = attention_mask[:, P:]
     select = action_mask.bool()  # (M, T)
     head = model.get_output_embeddings()
     from srpo.policies.activation_checkpointing import activation_checkpointing
 
-    with activation_checkpointing(model, checkpoint_layers and torch.is_grad_enabled()):
-        states = _prediction_states(model, input_ids, attention_mask, P, share_prompts, max_length_groups,
-                                    fixed_calls)  # (M, T, H)
+    with activation_checkpointing(model, how.checkpoint_layers and torch.is_grad_enabled()):
+        states = _prediction_states(model, input_ids, attention_mask, P, how.share_prompts, how.max_length_groups,
+                                    how.fixed_calls)  # (M, T, H)
     h = states[select]  # (N, H)
     targets = input_ids[:, P:][select]  # (N,)
     softcap = _softcap(model)
     temps = _row_temperatures(temperature, select)  # (N, 1)
-    keep = h.shape[0] * head.weight.shape[0] * 4 <= keep_probs_bytes
+    keep = h.shape[0] * head.weight.shape[0] * 4 <= how.keep_probs_bytes
     pieces = []
-    for start in range(0, h.shape[0], chunk_tokens):
-        end = start + chunk_tokens
+    for start in range(0, h.shape[0], how.chunk_tokens):
+        end = start + how.chunk_tokens
         args = (h[start:end], targets[start:end], head.weight, head.bias, temps[start:end], softcap, keep)
         pieces.append(_chunk_logprobs(*args))
     flat = torch.cat(pieces) if pieces else h.new_zeros((0, 2), dtype=torch.float32)  # (N, 2)

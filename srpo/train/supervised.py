@@ -139,7 +139,7 @@ class SupervisedTrainer:
                     continue
                 ids, attn, P, mask = collate_examples(rows, self.pad)
                 ids, attn, mask = ids.to(self.device), attn.to(self.device), mask.to(self.device)
-                lp = self.policies.logprobs(pid, ids, attn, P, action_mask=mask, chunk_tokens=self.cfg.train.chunk_tokens)
+                lp = self.policies.logprobs(pid, ids, attn, P, action_mask=mask)
                 nll = -(lp * mask).sum()
                 (nll / tokens).backward()  # the global batch's mean token loss
                 loss_sum += nll.detach().float().cpu()

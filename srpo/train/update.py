@@ -120,8 +120,7 @@ class PolicyUpdate:
                 out = self.policies.logprobs(
                     pid, batch.input_ids[rows], batch.attention_mask[rows], batch.prompt_length,
                     action_mask=batch.action_mask[rows], temperature=batch.temperatures[rows],
-                    chunk_tokens=self.settings.chunk_tokens, return_entropy=entropy,
-                    checkpoint_layers=grad and self.settings.checkpoint_layers)
+                    return_entropy=entropy, checkpoint_layers=grad and self.settings.checkpoint_layers)
                 if entropy:
                     out, e = out
                     ent = ent.index_put((rows,), e)
@@ -148,8 +147,7 @@ class PolicyUpdate:
                 rows = batch.rows_of_policy(pid).to(ref.device)
                 ref[rows] = self.policies.reference_logprobs(
                     pid, batch.input_ids[rows], batch.attention_mask[rows], batch.prompt_length,
-                    action_mask=batch.action_mask[rows], temperature=batch.temperatures[rows],
-                    chunk_tokens=self.settings.chunk_tokens)
+                    action_mask=batch.action_mask[rows], temperature=batch.temperatures[rows])
         return ref
 
     def idle_pass(self, *, grad: bool) -> None:

@@ -10,7 +10,7 @@ import torch
 from srpo.events import Event, Member, collate
 from srpo.policies import LoraSettings, ModelLoadError, build_policies, load_model
 from srpo.policies import models as registry
-from srpo.policies.logprobs import completion_logprobs, completion_logprobs_plain
+from srpo.policies.logprobs import LogprobPass, completion_logprobs, completion_logprobs_plain
 from srpo.types import GenerationRequest, SamplingParams
 from srpo.policies.sampling import sample
 
@@ -177,8 +177,8 @@ def test_chunked_logprobs_equal_plain(model_name, softcap):
     mask[2, 4] = 0  # a tool token
     temps = torch.tensor([1.0, 0.7, 1.0, 1.3, 1.0])
     grads = []
-    for fn, kw in [(completion_logprobs, {"chunk_tokens": 7, "keep_probs_bytes": 0}),  # recompute in backward
-                   (completion_logprobs, {"chunk_tokens": 7}),  # keep the probabilities
+    for fn, kw in [(completion_logprobs, {"how": LogprobPass(chunk_tokens=7, keep_probs_bytes=0)}),  # recompute in backward
+                   (completion_logprobs, {"how": LogprobPass(chunk_tokens=7)}),  # keep the probabilities
                    (completion_logprobs_plain, {})]:
         model.zero_grad()
         lp = fn(model, ids, attn, P, action_mask=mask, temperature=temps, **kw)
@@ -213,7 +213,8 @@ def test_shared_prompt_pass_equals_plain(model_name):
     results = []
     for share in (True, False):
         model.zero_grad()
-        lp = completion_logprobs(model, ids, attn, P, action_mask=mask, temperature=0.8, share_prompts=share)
+        lp = completion_logprobs(model, ids, attn, P, action_mask=mask, temperature=0.8,
+                                 how=LogprobPass(share_prompts=share))
         (lp * weights).sum().backward()
         results.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
     (a, ga), (b, gb) = results
@@ -573,7 +574,7 @@ def test_length_bucketed_logprobs_equal_plain(share, fixed_calls):
     hook = model.get_decoder().register_forward_pre_hook(lambda *a: calls.append(1))
     groups = 6 if fixed_calls else 4
     fixed = {"fixed_calls": True, "max_length_groups": groups} if fixed_calls else {}
-    for fn, kw in [(completion_logprobs, {"share_prompts": share, "chunk_tokens": 16, **fixed}),
+    for fn, kw in [(completion_logprobs, {"how": LogprobPass(share_prompts=share, chunk_tokens=16, **fixed)}),
                    (completion_logprobs_plain, {})]:
         model.zero_grad()
         calls.clear()
@@ -583,8 +584,8 @@ def test_length_bucketed_logprobs_equal_plain(share, fixed_calls):
     if fixed_calls:
         for n_rows in (ids.shape[0], 1):
             calls.clear()
-            completion_logprobs(model, ids[:n_rows], attn[:n_rows], P, action_mask=mask[:n_rows], share_prompts=share,
-                                **fixed)
+            completion_logprobs(model, ids[:n_rows], attn[:n_rows], P, action_mask=mask[:n_rows],
+                                how=LogprobPass(share_prompts=share, **fixed))
             assert len(calls) == groups + share, (n_rows, len(calls))
     hook.remove()
     (a, ga, _), (b, gb, _) = results
@@ -657,7 +658,7 @@ def test_activation_checkpointing_gives_the_same_logprobs_and_gradients(share):
     results = []
     for checkpointed in (False, True):
         model.zero_grad()
-        lp = completion_logprobs(model, ids, attn, P, share_prompts=share, checkpoint_layers=checkpointed)
+        lp = completion_logprobs(model, ids, attn, P, how=LogprobPass(share_prompts=share, checkpoint_layers=checkpointed))
         (lp * torch.linspace(-1, 1, T)).sum().backward()
         results.append((lp.detach(), [p.grad.clone() for p in model.parameters()]))
     (a, grads_a), (b, grads_b) = results
