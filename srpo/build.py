@@ -122,17 +122,15 @@ def role_specs(cfg: Config, workflow_) -> dict[str, RoleSpec]:
 
 def policies(cfg: Config, roles: list[str]):
     """The :class:`~srpo.policies.layouts.PolicySet` of the layout, on ``run.device`` (loads models)."""
+    from srpo.gateway.tools import resolve_chat_template
     from srpo.policies.layouts import LoraSettings, build_policies
 
     lora = LoraSettings(r=cfg.model.lora.r, alpha=cfg.model.lora.alpha, dropout=cfg.model.lora.dropout,
                         target_modules=tuple(cfg.model.lora.target_modules))
     built = build_policies(cfg.model.layout, cfg.model.name, roles, role_groups=cfg.model.role_groups or None,
                            lora=lora, dtype=cfg.model.dtype, seed=cfg.run.seed,
-                           revision=cfg.model.revision, logprob_pass=logprob_pass(cfg))
-    if cfg.model.chat_template:
-        from srpo.gateway.tools import resolve_chat_template
-
-        built.tokenizer.chat_template = resolve_chat_template(cfg.model.chat_template)
+                           revision=cfg.model.revision, logprob_pass=logprob_pass(cfg),
+                           chat_template=resolve_chat_template(cfg.model.chat_template) if cfg.model.chat_template else None)
     if cfg.model.init_from:  # a warm start (srpo sft), same layout
         built.load_pretrained_weights(Path(cfg.model.init_from))
     for module in built.modules():

@@ -399,9 +399,11 @@ def build_policies(
     seed: int = 0,
     revision: str = "",
     logprob_pass: LogprobPass = LogprobPass(),
+    chat_template: str | None = None,
 ) -> PolicySet:
     """Build the policies behind ``roles`` (``revision``: a hub model's, see :func:`load_model`;
-    ``logprob_pass``: how its log-prob passes run, :class:`~srpo.policies.logprobs.LogprobPass`).
+    ``logprob_pass``: how its log-prob passes run, :class:`~srpo.policies.logprobs.LogprobPass`;
+    ``chat_template``: the tokenizer's template text instead of the model's own).
 
     ``role_groups`` (``lora`` and ``separate``) maps a policy id to the roles it serves; by
     default each role has its own policy.
@@ -414,13 +416,19 @@ def build_policies(
         missing = set(roles) - set(role_to_policy)
         if missing:
             raise ValueError(f"roles {sorted(missing)} belong to no group of role_groups")
+    def load():
+        loaded, tokenizer = load_model(model, dtype=dtype, seed=seed, revision=revision)
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
+        return loaded, tokenizer
+
     if layout == "shared":
-        base, tok = load_model(model, dtype=dtype, seed=seed, revision=revision)
+        base, tok = load()
         return SharedPolicies(base, tok, roles, logprob_pass=logprob_pass)
     if layout == "lora":
-        base, tok = load_model(model, dtype=dtype, seed=seed, revision=revision)
+        base, tok = load()
         return LoraPolicies(base, tok, role_to_policy, lora, logprob_pass=logprob_pass)
     models, tok = {}, None
     for pid in sorted(set(role_to_policy.values())):
-        models[pid], tok = load_model(model, dtype=dtype, seed=seed, revision=revision)
+        models[pid], tok = load()
     return SeparatePolicies(models, tok, role_to_policy, logprob_pass=logprob_pass)
