@@ -84,10 +84,28 @@ def eval_workflows(cfg: Config, sources: list[DataSource] | None, workflow_: Any
 
 
 def retriever(cfg: Config):
-    """A retrieval-server client, BM25 over ``task.corpus``, or None."""
-    from srpo.data import build_retriever
+    """A client of ``retriever.url``, or BM25 over the configured corpus (``synthetic_kb`` joins the
+    KBs of every synthetic source); None when the run retrieves nothing."""
+    from srpo.data import generate
+    from srpo.tasks.base import DatasetError
+    from srpo.tasks.kinds import synthetic_source
+    from srpo.tasks.search import BM25Retriever, load_corpus
 
-    return build_retriever(cfg)
+    if cfg.retriever.url:
+        from srpo.tasks.retrieval_service import HTTPRetriever
+
+        return HTTPRetriever(cfg.retriever.url, timeout_s=cfg.retriever.timeout_s, retries=cfg.retriever.retries)
+    if not cfg.task.corpus:
+        return None
+    if synthetic_source(cfg.task.corpus) is not None:  # the passages a synthetic source's answers live in
+        passages = []
+        for held_out, src in [(False, cfg.task.train), *((True, e) for e in cfg.task.eval)]:
+            if src.source == cfg.task.corpus:
+                passages += generate(src, held_out=held_out)[1]
+        if not passages:
+            raise DatasetError(f"task.corpus is {cfg.task.corpus} but no data source is {cfg.task.corpus}")
+        return BM25Retriever(passages)
+    return BM25Retriever(load_corpus(cfg.task.corpus))
 
 
 def workflow(cfg: Config, retriever_: Any = None):

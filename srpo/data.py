@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from srpo.config import Config, DataSource
+from srpo.config import DataSource
 from srpo.tasks.base import DatasetError, Task, UnreadableRow
 from srpo.tasks.kinds import TASK_KINDS, synthetic_source
 from srpo.tasks.kinds import task_kind as get_kind
@@ -234,26 +234,6 @@ def guess_kind(src: DataSource) -> str | None:
         if TASK_KINDS[name].recognizes is not None and TASK_KINDS[name].recognizes(rows):
             return name
     return None
-
-
-def build_retriever(cfg: Config):
-    """A client of ``retriever.url``, or BM25 over the configured corpus (``synthetic_kb`` joins the
-    KBs of every synthetic source); None when the run retrieves nothing."""
-    if cfg.retriever.url:
-        from srpo.tasks.retrieval_service import HTTPRetriever
-
-        return HTTPRetriever(cfg.retriever.url, timeout_s=cfg.retriever.timeout_s, retries=cfg.retriever.retries)
-    if not cfg.task.corpus:
-        return None
-    if synthetic_source(cfg.task.corpus) is not None:  # the passages a synthetic source's answers live in
-        passages: list[Passage] = []
-        for held_out, src in [(False, cfg.task.train), *((True, e) for e in cfg.task.eval)]:
-            if src.source == cfg.task.corpus:
-                passages += generate(src, held_out=held_out)[1]
-        if not passages:
-            raise DatasetError(f"task.corpus is {cfg.task.corpus} but no data source is {cfg.task.corpus}")
-        return BM25Retriever(passages)
-    return BM25Retriever(load_corpus(cfg.task.corpus))
 
 
 def eval_retriever(src: DataSource) -> BM25Retriever | None:

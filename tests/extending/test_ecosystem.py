@@ -291,7 +291,7 @@ def test_an_unreachable_or_slow_server_costs_the_tool_call_not_the_run():
 def test_a_run_config_names_a_server_instead_of_a_corpus():
     from srpo.build import load_config
     from srpo.config import ConfigError
-    from srpo.data import build_retriever
+    from srpo.build import retriever as build_retriever
     from srpo.tasks.retrieval_service import HTTPRetriever
 
     base = ROOT / "configs/search/search/srpo.yaml"
