@@ -1,0 +1,86 @@
+"""The same team as a built-in workflow and as an ``openai``-client program through the gateway:
+rollout seconds per team token, side by side.
+
+    python benchmarks/bench_gateway_team.py                    # 3 rounds of 4 steps each side
+
+The demo's team on the study recipe (``configs/studies/math_base.yaml``: SmolLM2-135M, two
+workers and an aggregator, 4 problems × 4 episodes a step, ≤ 24 tokens): srpo's built-in
+``parallel_aggregate`` against ``examples/openai_team.py`` (the same prompts in plain ``openai``
+calls, process isolation) trained through the gateway.  Each side trains ``--steps`` steps in a
+fresh child process, alternating, ``--rounds`` times.  Per run: the rollout's seconds per team
+token over steps 2.. (step 1 of the program side also starts its worker processes, reported on
+its own), and the ratio of the medians, gateway / built-in.  The judge reads the solvers' whole
+answers where the built-in aggregator reads their numbers, so the program side's prompts are
+longer; tokens generated are counted the same way on both sides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+from _child import report, run_child  # benchmarks/_child.py: the child-process protocol
+
+ROOT = Path(__file__).resolve().parents[1]
+SIDES = {
+    "builtin": ["workflow.name=parallel_aggregate", "workflow.options={num_workers: 2}"],
+    "gateway": ["workflow.name=openai_agent", "workflow.roles={}",
+                f"workflow.options={{entry: '{ROOT}/examples/openai_team.py:solve', roles: [solver_1, solver_2, judge]}}"],
+}
+
+
+def child(side: str, steps: int, threads: int, out: str) -> dict:
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from srpo.build import load_config
+    from srpo.train.loop import Trainer
+
+    cfg = load_config(ROOT / "configs/studies/math_base.yaml",
+                      [*SIDES[side], f"run.steps={steps}", f"run.threads={threads}", f"run.output_dir={out}"])
+    trainer = Trainer(cfg, progress=False, overwrite=True)
+    try:
+        history = trainer.fit()
+    finally:
+        trainer.close()
+    return {"rollout_s": [h["time/rollout_s"] for h in history], "team_tokens": [h["team_tokens"] for h in history],
+            "step_s": [h["time/step_s"] for h in history]}
+
+
+def per_token(run: dict, first: int = 1) -> float:
+    """Rollout seconds per team token over the steps from ``first`` on."""
+    return sum(run["rollout_s"][first:]) / max(sum(run["team_tokens"][first:]), 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--child", choices=list(SIDES))
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    if args.child:
+        report(child(args.child, args.steps, args.threads, args.out))
+        return
+    runs: dict[str, list[dict]] = {side: [] for side in SIDES}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for side in SIDES:
+                run = run_child([__file__, "--child", side, "--steps", args.steps, "--threads", args.threads,
+                                 "--out", f"{tmp}/{side}-{r}"], what=side)
+                runs[side].append(run)
+                print(f"round {r + 1} {side}: {1e3 * per_token(run):.2f} ms per team token over steps 2..{args.steps} "
+                      f"(step 1: {1e3 * run['rollout_s'][0] / max(run['team_tokens'][0], 1):.2f}; "
+                      f"tokens {run['team_tokens']})", flush=True)
+    med = {side: statistics.median(per_token(run) for run in rs) for side, rs in runs.items()}
+    print(f"\n| side | rollout ms per team token (median of {args.rounds}) |\n|---|---:|")
+    for side, value in med.items():
+        print(f"| {side} | {1e3 * value:.2f} |")
+    print(f"\ngateway / built-in: **{med['gateway'] / med['builtin']:.2f}×**")
+
+
+if __name__ == "__main__":
+    main()
