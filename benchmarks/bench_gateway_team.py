@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 from _child import report, run_child  # benchmarks/_child.py: the child-process protocol
@@ -41,12 +42,23 @@ def child(side: str, steps: int, threads: int, out: str) -> dict:
     cfg = load_config(ROOT / "configs/studies/math_base.yaml",
                       [*SIDES[side], f"run.steps={steps}", f"run.threads={threads}", f"run.output_dir={out}"])
     trainer = Trainer(cfg, progress=False, overwrite=True)
+    calls: list[tuple[int, float]] = []  # every sampling call of the rollouts: its rows and seconds
+    generate = trainer.engine.generate
+
+    def counted(requests, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return generate(requests, *args, **kwargs)
+        finally:
+            calls.append((len(requests), time.perf_counter() - start))
+    trainer.engine.generate = counted
     try:
         history = trainer.fit()
     finally:
         trainer.close()
     return {"rollout_s": [h["time/rollout_s"] for h in history], "team_tokens": [h["team_tokens"] for h in history],
-            "step_s": [h["time/step_s"] for h in history]}
+            "step_s": [h["time/step_s"] for h in history], "calls": len(calls),
+            "rows": sum(n for n, _ in calls), "sampling_s": sum(t for _, t in calls)}
 
 
 def per_token(run: dict, first: int = 1) -> float:
@@ -74,7 +86,8 @@ def main() -> None:
                 runs[side].append(run)
                 print(f"round {r + 1} {side}: {1e3 * per_token(run):.2f} ms per team token over steps 2..{args.steps} "
                       f"(step 1: {1e3 * run['rollout_s'][0] / max(run['team_tokens'][0], 1):.2f}; "
-                      f"tokens {run['team_tokens']})", flush=True)
+                      f"tokens {run['team_tokens']}; {run['calls']} sampling calls, {run['rows']} rows, "
+                      f"{run['sampling_s']:.1f} s of {sum(run['rollout_s']):.1f} s of rollout inside them)", flush=True)
     med = {side: statistics.median(per_token(run) for run in rs) for side, rs in runs.items()}
     print(f"\n| side | rollout ms per team token (median of {args.rounds}) |\n|---|---:|")
     for side, value in med.items():
