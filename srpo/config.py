@@ -164,7 +164,7 @@ class RoleOverride(Section):
 
 class WorkflowConfig(Section):
     name: str = "single"
-    """A registered workflow (single, solver_verifier, parallel_aggregate, routed, search,
+    """A registered workflow (single, solver_verifier, parallel_aggregate, routed, parts, search,
     search_team, openai_agent, roles; ``srpo.registry.WORKFLOWS``) or an import path, e.g.
     ``mypkg.teams:Debate``."""
     options: dict[str, Any] = Field(default_factory=dict)

@@ -183,7 +183,17 @@ def _build_builtin_kinds() -> None:
         system_prompt="Answer the question with a short phrase inside <answer> and </answer>.",
         rewards={"f1": f1}, eval_metrics={"f1": f1}, synthetic={"synthetic_kb": kb}, recognizes=_looks_qa,
         check_fits=_qa_fits)
-    for kind in (math, qa):
+    from srpo.tasks import parts as team_parts
+
+    def parts_source(src):
+        return team_parts.synthetic_parts(src.n, seed=src.seed, split=src.split or "all", level=src.level), []
+
+    parts = TaskKind(
+        name="parts", load_file=team_parts.load_parts_file, grade=team_parts.grade_joint,
+        extract_answer=extract_answer, system_prompt="Be brief.",
+        rewards={"per_part": team_parts.grade_per_part}, eval_metrics={"per_part": team_parts.grade_per_part},
+        synthetic={"synthetic_parts": parts_source})
+    for kind in (math, qa, parts):
         register_task_kind(kind.name, kind)
 
 

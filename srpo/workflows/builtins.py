@@ -6,6 +6,7 @@
 | solver_verifier    | per round: solver K=1, verifier K=1; stop at ACCEPT or after R rounds |
 | parallel_aggregate | N workers together (K=N), then the aggregator (K=1)                   |
 | routed             | router (K=1), the chosen workers (K=chosen), aggregator (K=1)         |
+| parts              | one member per part of the problem, together (K = the problem's parts)|
 | search             | per turn one agent step (K=1): <search>q</search> or <answer>a</answer>|
 | search_team        | per turn a verifier (K=1) picks SEARCH or ANSWER; N searchers (K=N);  |
 |                    | an answerer (K=1) answers from the gathered passages                   |
@@ -240,6 +241,31 @@ class ParallelAggregate(Workflow):
         outs = await ctx.ask_set([(f"worker_{i + 1}", task.question) for i in range(self.num_workers)],
                                  event_type="workers")
         return (await ctx.ask("aggregator", _aggregator_prompt(task, outs, self.kind))).text
+
+
+@register_workflow("parts")
+@dataclass
+class Parts(Workflow):
+    """Each member owns one part of a problem (``task.kind: parts``, :mod:`srpo.tasks.parts`): the
+    K members asked together — one event whose active set is all K answers, K the problem's own
+    (so a batch mixes set sizes) — and the team's answer is theirs in part order."""
+
+    kind: str = "parts"
+    max_parts: Count = 4  # worker_1 .. worker_{max_parts}: the roles (one adapter each under lora)
+
+    def roles(self):
+        return [f"worker_{i + 1}" for i in range(self.max_parts)]
+
+    async def run(self, ctx, task):
+        from srpo.tasks.parts import team_answer
+
+        parts = task.meta.get("parts") or []
+        if not parts or len(parts) > self.max_parts:
+            raise WorkflowError(f"the parts workflow takes tasks of 1 to {self.max_parts} parts (task.kind: parts); "
+                                f"{task.task_id} has {len(parts)}")
+        outs = await ctx.ask_set([(f"worker_{i + 1}", question) for i, (question, _) in enumerate(parts)],
+                                 event_type="parts")
+        return team_answer([o.text if o is not None and not o.failed else "" for o in outs])
 
 
 @register_workflow("routed")

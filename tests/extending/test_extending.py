@@ -438,7 +438,7 @@ def test_registries_list_names_and_reject_unknown_ones_with_the_valid_ones():
     assert WORKFLOWS.capabilities("search_team").needs_retriever and not WORKFLOWS.capabilities("routed").needs_retriever
     assert set(WORKFLOWS.capabilities("routed").options) == {"num_workers", "fallback", "max_chosen"}
     assert TASK_KINDS["qa"].eval_metrics and not TASK_KINDS["math"].eval_metrics
-    with pytest.raises(RegistryError, match="unknown workflow 'debat'; valid: openai_agent, parallel_aggregate, roles, routed"):
+    with pytest.raises(RegistryError, match="unknown workflow 'debat'; valid: openai_agent, parallel_aggregate, parts, roles, routed"):
         WORKFLOWS.resolve("debat")
     with pytest.raises(RegistryError, match="cannot be used as a workflow: expected a dataclass subclass"):
         WORKFLOWS.resolve("srpo.methods:Method")

@@ -125,3 +125,25 @@ def test_contrasts_compare_declared_pairs_and_join_the_holm_family(tmp_path):
     (tmp_path / "s.yaml").write_text(yaml.safe_dump(study))
     with pytest.raises(ConfigError, match="contrasts names cell 'sum'"):
         load_study(tmp_path / "s.yaml")
+
+
+def test_a_primary_on_a_kind_s_own_metric_is_compared_on_its_dataset():
+    """Study (n) declares its primary on ``per_part`` (the parts kind's share of parts right), which
+    is reported per held-out set: it is compared there, beside avg@k and pass@k."""
+    def record(label, seed, value):
+        sets = {"parts-test": {"avg@2": value / 2, "pass@2": value / 2, "per_part": value}}
+        return {"label": label, "seed": seed, "eval": {"datasets": sets, "macro": {"avg@2": value / 2, "pass@2": value / 2}}}
+
+    records = [record("grpo", s, 0.5 + 0.01 * s) for s in range(6)]
+    records += [record("srpo", s, 0.6 + 0.012 * s) for s in range(6)]
+    spec = {"eval": {"k": 2}, "baseline": "grpo",
+            "primary": {"baseline": "grpo", "cells": ["srpo"], "metric": "per_part", "dataset": "parts-test"}}
+    comps = comparisons(records, spec)
+    first = [c for c in comps if c["primary"]]
+    assert len(first) == 1 and first[0]["metric"] == "per_part" and first[0]["dataset"] == "parts-test"
+    assert first[0]["mean"] == pytest.approx(0.1 + 0.002 * 2.5)
+    assert {(c["metric"], c["dataset"]) for c in comps} == {("avg@2", "macro"), ("pass@2", "macro"),
+                                                            ("avg@2", "parts-test"), ("pass@2", "parts-test"),
+                                                            ("per_part", "parts-test")}
+    # Without such a primary the comparisons are those of every other study: avg@k and pass@k.
+    assert {c["metric"] for c in comparisons(records, {"eval": {"k": 2}, "baseline": "grpo"})} == {"avg@2", "pass@2"}

@@ -184,7 +184,7 @@ def test_too_long_prompt_leaves_the_event_incomplete():
 
 
 def test_unknown_workflow_and_option():
-    with pytest.raises(ValueError, match="valid: openai_agent, parallel_aggregate, roles, routed, search, search_team, single, solver_verifier"):
+    with pytest.raises(ValueError, match="valid: openai_agent, parallel_aggregate, parts, roles, routed, search, search_team, single, solver_verifier"):
         build_workflow("debate")
     with pytest.raises(ValueError, match="num_workers"):
         build_workflow("single", num_workers=3)
@@ -201,3 +201,33 @@ def test_the_workflow_written_in_the_docs_records_the_events_it_says(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 4
     assert {line for line in lines} == {"[('vote', 3)] 1.0", "[('vote', 3), ('tiebreaker', 1)] 1.0"}
+
+
+def test_parts_team_mixes_set_sizes_and_scores_joint_and_per_part():
+    """Study (n)'s team: one event per episode whose K is the problem's part count (2 or 4, so one
+    batch mixes sizes); the joint reward needs every part, the decomposable one counts them."""
+    from srpo.tasks.parts import grade_per_part, synthetic_parts
+
+    tasks = synthetic_parts(8, seed=3, split="train")
+    assert {len(t.meta["parts"]) for t in tasks} == {2, 4}
+    held_out = synthetic_parts(200, seed=777, split="test")
+    assert len({t.question for t in held_out}) == 200  # distinct test problems
+    train_keys = {k for t in synthetic_parts(300, seed=0, split="train") for k in t.meta["key"].split("|")}
+    assert not train_keys & {k for t in held_out for k in t.meta["key"].split("|")}  # no shared addition
+
+    def script(role, prompt):  # worker_2 is always wrong by one
+        a, b = map(int, re.findall(r"What is (\d+) \+ (\d+)", prompt)[-1])
+        return str(a + b + (1 if role == "worker_2" else 0))
+
+    _, res = run(build_workflow("parts"), script, tasks, g=2)
+    assert sorted({s[0] for s in sizes(res)}) == [("parts", 2), ("parts", 4)]
+    assert all(r.reward == 0.0 for r in res)  # worker_2 is in every team: never all right
+    for r in res:
+        k = len(r.task.meta["parts"])
+        assert grade_per_part(r.task, r.answer) == (k - 1) / k
+    import asyncio
+
+    from srpo.workflows.runtime import WorkflowError
+
+    with pytest.raises(WorkflowError, match="the parts workflow takes tasks of 1 to 4 parts"):
+        asyncio.run(build_workflow("parts").run(None, TASKS[0]))  # an arithmetic task has no parts

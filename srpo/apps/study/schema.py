@@ -52,7 +52,8 @@ class PrimaryComparison(Section):
     cells: list[str]
     """The cell labels compared with it (e.g. [srpo])."""
     metric: str = ""
-    """avg@k or pass@k (default: avg@k of the study's eval.k)."""
+    """avg@k or pass@k (default: avg@k of the study's eval.k), or a task kind's own metric
+    (``per_part``, ``f1``) — compared on ``dataset``, which must then name one held-out set."""
     dataset: str = "macro"
     """macro (the mean over eval.datasets) or one dataset's name."""
     test: Literal["paired t"] = "paired t"
@@ -147,6 +148,10 @@ def load_study(path: str | Path, check_cells: bool = True) -> dict:
                 raise ConfigError(f"{p}: primary names cell {name!r}, which the axes do not make; cells: "
                                   f"{', '.join(sorted(labels))}")
         spec["primary"] = {**typed.primary.model_dump(), "metric": typed.primary.metric or f"avg@{typed.eval.k}"}
+        own_metric = spec["primary"]["metric"] not in (f"avg@{typed.eval.k}", f"pass@{typed.eval.k}")
+        if own_metric and typed.primary.dataset == "macro":
+            raise ConfigError(f"{p}: primary.metric {typed.primary.metric!r} is a task kind's own metric, reported per "
+                              f"held-out set: name the set in primary.dataset (macro holds avg@k and pass@k only)")
     if typed.contrasts:
         labels = {c["label"] for c in cells(spec)}
         for contrast in typed.contrasts:

@@ -99,13 +99,22 @@ def comparisons(records: list[dict], spec: dict) -> list[dict[str, Any]]:
     primary = spec.get("primary") or {}
     datasets = list(dict.fromkeys(d for r in records for d in r["eval"]["datasets"]))
     scopes = [None] + (datasets if len(datasets) > 1 else [])
+    # A primary on a task kind's own metric (per_part, f1) is compared on its dataset, where the
+    # metric lives (macro holds avg@k and pass@k only); it joins the study's comparisons.
+    own = primary.get("metric") if primary.get("metric") not in (None, "", f"avg@{k}", f"pass@{k}") else None
+
+    def metrics_for(scope):
+        return (f"avg@{k}", f"pass@{k}") + ((own,) if own and scope == primary.get("dataset") else ())
+
+    if own and primary.get("dataset") not in scopes:
+        scopes.append(primary.get("dataset"))
     baselines = [b for b in dict.fromkeys((spec.get("baseline"), primary.get("baseline"))) if b]
     out: list[dict[str, Any]] = []
     for baseline in baselines:
         if not any(r["label"] == baseline for r in records):
             continue
         for scope in scopes:
-            for metric in (f"avg@{k}", f"pass@{k}"):
+            for metric in metrics_for(scope):
                 for label, test in paired_differences(records, baseline, metric, scope).items():
                     is_primary = bool(primary) and baseline == primary["baseline"] and label in primary["cells"] \
                         and metric == primary.get("metric", f"avg@{k}") and (scope or "macro") == primary.get("dataset", "macro")
@@ -116,7 +125,7 @@ def comparisons(records: list[dict], spec: dict) -> list[dict[str, Any]]:
         if (contrast["cell"], contrast["against"]) in done:
             continue
         for scope in scopes:
-            for metric in (f"avg@{k}", f"pass@{k}"):
+            for metric in metrics_for(scope):
                 test = paired_differences(records, contrast["against"], metric, scope).get(contrast["cell"])
                 if test is not None:
                     out.append({"cell": contrast["cell"], "baseline": contrast["against"], "metric": metric,
