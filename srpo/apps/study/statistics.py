@@ -16,12 +16,23 @@ from srpo.stats import mean_se
 log = logging.getLogger(__name__)
 
 
+#: What an evaluated dataset reports besides its metrics (srpo.evaluation).
+NOT_METRICS = {"n", "team_tokens", "correct_per_million_tokens", "examples"}
+
+
+def kind_metrics(dataset_results: list[dict]) -> list[str]:
+    """The task kind's own metrics in a dataset's results (``f1``, ``per_part``), in a fixed order."""
+    names = {name for d in dataset_results for name, value in d.items()
+             if name not in NOT_METRICS and not name.startswith(("avg@", "pass@")) and not name.endswith("_stderr")
+             and isinstance(value, (int, float))}
+    return sorted(names)
+
+
 def summarize(records: list[dict], k: int) -> tuple[str, dict]:
     labels = list(dict.fromkeys(r["label"] for r in records))
     datasets = list(dict.fromkeys(d for r in records for d in r["eval"]["datasets"]))
-    # QA datasets also carry mean token F1 (accuracy stays exact match).
-    metrics_of = {d: (f"avg@{k}", f"pass@{k}") + (("f1",) if any("f1" in r["eval"]["datasets"].get(d, {})
-                                                              for r in records) else ())
+    # A task kind's own metrics come too (QA: mean token F1; parts: per_part) — accuracy stays its grade.
+    metrics_of = {d: (f"avg@{k}", f"pass@{k}") + tuple(kind_metrics([r["eval"]["datasets"].get(d, {}) for r in records]))
                   for d in datasets}
     table = {}
     lines = ["| cell | seeds | " + " | ".join(f"{d} {m}" for d in datasets for m in metrics_of[d])
