@@ -307,3 +307,28 @@ def test_a_base_that_evaluates_during_training_makes_cells_that_do_not_unless_th
     spec = load_study(tmp_path / "study.yaml")
     cfg = cell_config(spec, cells(spec)[0], tmp_path / "cell")
     assert cfg.eval.every == 5 and [s.name for s in cfg.task.eval] == ["curve"]
+
+
+def test_the_untrained_reference_runs_at_the_cell_s_thread_count(tmp_path, monkeypatch):
+    """run.threads applies to the untrained starting point too (no trainer applies it there): at
+    torch's default thread count beside a shard on the other core it evaluated ~10x slower per
+    episode than a trained cell (study (n)'s pilot)."""
+    import torch
+
+    from srpo.apps.study.runner import run_cell
+    from srpo.apps.study.schema import cells, load_study
+
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump({
+        "run": {"steps": 1, "threads": 1}, "model": {"name": "tiny-llama"},
+        "workflow": {"name": "single", "max_new_tokens": 2}, "log": {"backends": []},
+        "task": {"kind": "math", "train": {"source": "synthetic_arithmetic", "level": 0, "n": 4}}}))
+    (tmp_path / "study.yaml").write_text(yaml.safe_dump({
+        "output_dir": str(tmp_path / "out"), "base": "base.yaml", "seeds": [0],
+        "axes": {"method": [{"label": "grpo", "set": {"method.name": "grpo"}}]},
+        "eval": {"k": 1, "datasets": [{"source": "synthetic_arithmetic", "level": 0, "n": 2, "seed": 9}]}}))
+    spec = load_study(tmp_path / "study.yaml")
+    threads = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    record = run_cell(spec, {**cells(spec)[0], "label": "untrained (grpo workflow)"}, tmp_path / "out",
+                      progress=False, train=False)
+    assert threads == [1] and record["eval"]["macro"]

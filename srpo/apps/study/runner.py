@@ -120,6 +120,8 @@ def run_cell(spec: dict, cell: dict, root: Path, progress: bool = True, train: b
     if record is not None:
         return record
     cfg = cell_config(spec, cell, run_dir)
+    if cfg.run.threads:  # the untrained reference builds no trainer, which would apply it
+        torch.set_num_threads(cfg.run.threads)
     started = time.perf_counter()
     eval_seed = 1000 + cell["seed"]
     ev = spec["eval"]
