@@ -460,7 +460,7 @@ def loss_settings(cfg: Config):
 
 
 def update_settings(cfg: Config):
-    """What the update reads of a run's config (:class:`srpo.train.update.UpdateSettings`), once."""
+    """What the update reads of a run's config (:class:`srpo.methods.UpdateSettings`), once."""
     from srpo.methods import UpdateSettings
 
     t = cfg.train

@@ -17,7 +17,7 @@ hyperparameters — fixed for a run, built once by :func:`srpo.build.update_sett
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -98,7 +98,7 @@ def assign_advantages(events: list[Event], method: "str | Method", *, scale: str
 @dataclass(frozen=True)
 class UpdateSettings:
     """What the update reads of a run's config, fixed for the run (built once by
-    :func:`srpo.build.update_settings`; the defaults are the schema's).
+    :func:`srpo.build.update_settings`; every value comes from the schema, which holds the defaults).
 
     Attributes:
         epochs, minibatches, microbatches: ``train.*``: passes over a rollout, optimizer steps per
@@ -112,12 +112,12 @@ class UpdateSettings:
         loss: the loss's hyperparameters.
     """
 
-    epochs: int = 1
-    minibatches: int = 1
-    microbatches: int = 1
-    old_logprobs: str = "recompute"
-    skip_zero_advantage: bool = True
-    max_grad_norm: float = 1.0
-    checkpoint_layers: bool = False
-    adapter_dropout: bool = False
-    loss: LossSettings = field(default_factory=LossSettings)
+    epochs: int
+    minibatches: int
+    microbatches: int
+    old_logprobs: str
+    skip_zero_advantage: bool
+    max_grad_norm: float
+    checkpoint_layers: bool
+    adapter_dropout: bool
+    loss: LossSettings

@@ -74,6 +74,15 @@ def import_object(path: str) -> Any:
     return obj
 
 
+def class_with_from_config(expected: str) -> Callable[[Any], None]:
+    """An ``accepts`` check for registries of classes a run builds with ``from_config`` (rollout
+    engines, parallel backends); ``expected`` says, in the error, what such a class is."""
+    def accepts(obj: Any) -> None:
+        if not isinstance(obj, type) or not callable(getattr(obj, "from_config", None)):
+            raise TypeError(f"expected {expected}")
+    return accepts
+
+
 @dataclass(frozen=True)
 class NoCapabilities:
     """The capabilities of a kind whose objects say everything about themselves."""
@@ -113,7 +122,7 @@ class Registry(Mapping[str, T], Generic[T]):
             raise RegistryError(f"{self.what} {name!r} is already registered")
         if self._accepts is not None:
             self._accepts(obj)
-        caps = self.capabilities_type(**{**(self._reads(obj) if self._reads else {}), **capabilities})
+        caps = self._capabilities_of(obj, **capabilities)
         if isinstance(obj, type):
             if self._names_classes and obj not in self._objects.values():
                 obj.name = name
@@ -137,8 +146,11 @@ class Registry(Mapping[str, T], Generic[T]):
         if own is not None and not isinstance(own, self.capabilities_type):
             raise RegistryError(f"{name!r}: its capabilities attribute must be a {self.capabilities_type.__module__}."
                                 f"{self.capabilities_type.__qualname__}")
-        caps = own if own is not None else self.capabilities_type(**(self._reads(obj) if self._reads else {}))
-        self._objects[name], self._caps[name] = obj, caps
+        self._objects[name], self._caps[name] = obj, own if own is not None else self._capabilities_of(obj)
+
+    def _capabilities_of(self, obj: Any, **given: Any) -> Any:
+        """The kind's capabilities of ``obj``: what it states itself (``reads``), then ``given``."""
+        return self.capabilities_type(**{**(self._reads(obj) if self._reads else {}), **given})
 
     # -- lookup
     def resolve(self, name: str) -> str:

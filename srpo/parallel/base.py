@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from srpo.registry import Registry
+from srpo.registry import Registry, class_with_from_config
 
 log = logging.getLogger(__name__)
 
@@ -57,15 +57,10 @@ class BackendCapabilities:
     devices: tuple[str, ...] = ("cpu", "cuda")
 
 
-def _is_backend(obj) -> None:
-    if not isinstance(obj, type) or not callable(getattr(obj, "from_config", None)):
-        raise TypeError("expected a parallel backend class with from_config(cfg) "
-                        "(a subclass of srpo.parallel.base.SingleProcess)")
-
-
 #: name → parallel backend class (with ``from_config``), each with its :class:`BackendCapabilities`
 #: (also its class's ``capabilities``): ``@register_backend(name, **capabilities)``.
-BACKENDS: Registry[type] = Registry("parallel backend", BackendCapabilities, accepts=_is_backend, names_classes=True)
+BACKENDS: Registry[type] = Registry("parallel backend", BackendCapabilities, names_classes=True, accepts=class_with_from_config(
+    "a parallel backend class with from_config(cfg) (a subclass of srpo.parallel.base.SingleProcess)"))
 register_backend = BACKENDS.register
 
 

@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from srpo.registry import Registry
+from srpo.registry import Registry, class_with_from_config
 
 from srpo.types import GenerationRequest, Sample
 
@@ -93,15 +93,10 @@ class EngineCapabilities:
     install_note: str = ""
 
 
-def _is_engine(obj) -> None:
-    if not isinstance(obj, type) or not callable(getattr(obj, "from_config", None)):
-        raise TypeError("expected a rollout engine class with from_config(cfg, policies) "
-                        "(see srpo.rollout.engine.RolloutEngine)")
-
-
 #: name → rollout engine class (with ``from_config``), each with its :class:`EngineCapabilities`
 #: (also its class's ``capabilities``): ``@register_engine(name, **capabilities)``.
-ENGINES: Registry[type] = Registry("rollout engine", EngineCapabilities, accepts=_is_engine, names_classes=True)
+ENGINES: Registry[type] = Registry("rollout engine", EngineCapabilities, names_classes=True, accepts=class_with_from_config(
+    "a rollout engine class with from_config(cfg, policies) (see srpo.rollout.engine.RolloutEngine)"))
 register_engine = ENGINES.register
 
 

@@ -29,9 +29,13 @@ MISSING = "?"  # a member's answer with no number in it
 def synthetic_parts(n: int, *, seed: int = 0, split: str = "all", counts: tuple[int, ...] = PART_COUNTS,
                     level: int = 0) -> list[Task]:
     """``n`` distinct problems of K parts each (K drawn from ``counts``), every part an addition
-    of ``level`` from the ``split`` part of its space; reproducible by seed."""
+    of ``level`` from the ``split`` part of its space; reproducible by seed.  Distinct as
+    :func:`srpo.tasks.splits.distinct_problems` counts them: by canonical key, so a problem that
+    differs from another only by a commuted part (``3 + 5`` for ``5 + 3``) is the same problem."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
+    if n < 1:
+        raise DatasetError("synthetic_parts: give n, the number of problems (its space is too large to list whole)")
     pool = synthetic_arithmetic(0, level=level, split=split)  # every addition of the part once
     rng = random.Random(f"parts-{level}-{seed}")
     tasks, seen = [], set()
@@ -40,7 +44,7 @@ def synthetic_parts(n: int, *, seed: int = 0, split: str = "all", counts: tuple[
         if len(tasks) == n:
             break
         picks = [rng.choice(pool) for _ in range(rng.choice(counts))]
-        key = tuple(p.question for p in picks)
+        key = tuple(p.meta["key"] for p in picks)  # canonical: commuted forms are one
         if key in seen:
             continue
         seen.add(key)

@@ -44,7 +44,7 @@ def resolve_split(split: str | None, *, held_out: bool) -> str:
 
 
 #: Held-out sets of team studies should hold at least this many distinct problems: below it the
-#: evaluation's own noise is a large share of the seed-to-seed spread (docs/results.md, (h): 24
+#: evaluation's own noise is a large share of the seed-to-seed spread (docs/results/study-h.md: 24
 #: problems, 13 commuted pairs, gave an evaluation SD of ~0.08–0.09 on a paired difference).
 MIN_HELDOUT_PROBLEMS = 200
 

@@ -58,7 +58,7 @@ def join_state(tensors: dict[str, dict], plain: dict[str, dict]) -> dict[str, di
     return {name: {**plain.get(name, {}), **tensors.get(name, {})} for name in {*plain, *tensors}}
 
 
-def load_parts(parts: dict[str, Stateful], states: dict[str, dict], where: str) -> None:
+def load_parts(parts: dict[str, Stateful], states: dict[str, dict]) -> None:
     """Load each part's state in the dict's order; a part the checkpoint lacks is an error naming it."""
     missing = [name for name in parts if name not in states]
     if missing:

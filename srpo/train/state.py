@@ -140,7 +140,7 @@ class Checkpointer:
                 log.warning("skipping checkpoint %s: %s", candidate.name, err)
                 continue
             try:
-                load_parts(parts, join_state(tensors, plain), str(candidate))
+                load_parts(parts, join_state(tensors, plain))
             except (DatasetError, CheckpointError) as err:
                 raise type(err)(f"{candidate}: {err}") from None
             if problems:

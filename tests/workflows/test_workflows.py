@@ -210,9 +210,14 @@ def test_parts_team_mixes_set_sizes_and_scores_joint_and_per_part():
 
     tasks = synthetic_parts(8, seed=3, split="train")
     assert {len(t.meta["parts"]) for t in tasks} == {2, 4}
+    from srpo.tasks.splits import distinct_problems
+
     held_out = synthetic_parts(200, seed=777, split="test")
-    assert len({t.question for t in held_out}) == 200  # distinct test problems
+    assert distinct_problems(held_out) == 200  # by canonical key: a commuted part is the same problem
+    # The keys are canonical (3 + 5 and 5 + 3 are one), so no addition of a held-out problem, nor
+    # its commuted form, is ever a training part.
     train_keys = {k for t in synthetic_parts(300, seed=0, split="train") for k in t.meta["key"].split("|")}
+    assert all("+" in k and "What" not in k for k in train_keys)
     assert not train_keys & {k for t in held_out for k in t.meta["key"].split("|")}  # no shared addition
 
     def script(role, prompt):  # worker_2 is always wrong by one
