@@ -583,8 +583,17 @@ class _Payload:
         return (Path.write_text, (Path(self.marker), "pwned"))
 
 
+def _vouch_for(checkpoint, name: str, manifest: dict | None = None) -> None:
+    """Rewrite ``checkpoint``'s manifest (or write ``manifest``) so that it vouches for the file
+    ``name`` as it is now — what a crafted or foreign folder would hold."""
+    from srpo.runs.fileio import sha256_file
+
+    manifest = manifest if manifest is not None else json.loads((checkpoint / "manifest.json").read_text())
+    manifest["files"][name] = {"size": (checkpoint / name).stat().st_size, "sha256": sha256_file(checkpoint / name)}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+
 def test_a_crafted_pickle_in_the_trainer_state_is_refused_not_run(tmp_path, caplog):
-    import hashlib
     import pickle
 
     run = tmp_path / "run"
@@ -594,11 +603,7 @@ def test_a_crafted_pickle_in_the_trainer_state_is_refused_not_run(tmp_path, capl
     state = latest / "trainer_state.pt"
     with open(state, "wb") as f:
         pickle.dump({"optimizers": _Payload(str(marker))}, f)
-    # The attacker rewrites the manifest too, so the size and digest checks pass.
-    manifest = json.loads((latest / "manifest.json").read_text())
-    manifest["files"]["trainer_state.pt"] = {"size": state.stat().st_size,
-                                             "sha256": hashlib.sha256(state.read_bytes()).hexdigest()}
-    (latest / "manifest.json").write_text(json.dumps(manifest))
+    _vouch_for(latest, "trainer_state.pt")  # the attacker rewrites the manifest too: size and digest pass
     trainer = Trainer(load_config(None, tiny(run, ["run.steps=2"])), progress=False)
     with pytest.raises(ckpt.CheckpointError, match="refused, not loaded"):
         trainer.resume()
@@ -628,8 +633,6 @@ def test_fault_soak_in_brief(tmp_path):
 def test_a_checkpoint_without_its_manifest_or_fingerprint_is_refused_by_name(tmp_path, capsys):
     """Nothing is released that wrote checkpoints without them: eval and resume refuse such a
     folder with the reason, and nothing of it is read."""
-    import hashlib
-
     run = tmp_path / "run"
     trained(run, ["run.steps=1"])
     latest = run / "checkpoints" / "step_0000001"
@@ -648,10 +651,7 @@ def test_a_checkpoint_without_its_manifest_or_fingerprint_is_refused_by_name(tmp
     assert set(plain["update"]) == {"schedulers", "nonfinite_in_a_row"} and plain["counters"]["step"] == 1
     assert plain["data"].pop("fingerprint")
     state.write_text(json.dumps(plain))
-    manifest = json.loads(manifest_text)
-    manifest["files"]["trainer_state.json"] = {"size": state.stat().st_size,
-                                               "sha256": hashlib.sha256(state.read_bytes()).hexdigest()}
-    (latest / "manifest.json").write_text(json.dumps(manifest))
+    _vouch_for(latest, "trainer_state.json", json.loads(manifest_text))
     trainer = Trainer(load_config(None, tiny(run, ["run.steps=2"])), progress=False)
     with pytest.raises(ckpt.CheckpointError, match="records no data fingerprint"):
         trainer.resume()
