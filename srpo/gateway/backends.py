@@ -55,8 +55,7 @@ def render(tokenizer, req: CompletionRequest, tool_parser: str | None = None) ->
     — or the completion prompt as it is.  A model without a chat template gets the messages'
     contents, one paragraph each.  ``tool_parser``: the role's own (None: the template's family)."""
     template = getattr(tokenizer, "chat_template", None)
-    fmt = tools.tool_format(template)
-    parser = tool_parser or fmt
+    fmt, parser = tools.tool_format(template), tools.reply_parser(tokenizer, tool_parser)
     if not req.chat:
         return Rendered(tokenizer(req.prompt, add_special_tokens=True)["input_ids"], parser)
     offered = req.tools if req.tool_choice != "none" else None
@@ -313,7 +312,6 @@ class ServeBackend:
             return self.engine.generate(requests, self.generator)
 
     async def _serve(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             batch = [await self._queue.get()]
             await asyncio.sleep(self.window_s)  # let concurrent requests join

@@ -28,9 +28,16 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import regex
+
 from srpo.registry import Registry
 
 ToolCalls = list[dict[str, Any]]
+
+
+#: ``(content, [(name, arguments), ...])``: what a reply says, or (while it is generated) what of
+#: it is certain so far.
+Reading = tuple[str, list[tuple[str, str]]]
 
 
 @dataclass(frozen=True)
@@ -39,10 +46,17 @@ class ToolParser:
     as OpenAI's ``{"id", "type": "function", "function": {"name", "arguments": JSON string}}``
     (text that is not a well-formed call stays content).  ``start(name) -> str``: how a call
     begins in this format — of the function ``name``, or of any function (``None``); ``None``: a
-    call cannot be forced (``tool_choice`` ``required`` or a named function is then a 400)."""
+    call cannot be forced (``tool_choice`` ``required`` or a named function is then a 400).
+
+    ``incremental(text, done) -> (content, [(name, arguments), ...])`` (optional) lets calls stream
+    as they are generated: for a reply still being generated (``done`` false) it returns what is
+    certain — a prefix of the final content, each call whose name is known with a prefix of its
+    final arguments — and for a finished one exactly what ``parse`` returns.  Streams of a parser
+    without it send each call whole once the reply is done."""
 
     parse: Callable[[str], tuple[str, ToolCalls]]
     start: Callable[[str | None], str] | None = None
+    incremental: Callable[[str, bool], Reading] | None = None
 
 
 @dataclass(frozen=True)
@@ -119,31 +133,128 @@ def _calls_of(value: Any) -> list[dict[str, Any]] | None:
     return calls if calls and all(c is not None for c in calls) else None
 
 
-def parse_hermes(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """``<tool_call>{json}</tool_call>`` blocks (a JSON object or a list of them each)."""
-    calls, kept, pos = [], [], 0
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+#: The start of a Hermes call object up to its arguments object: once it is written, the call is
+#: one (its arguments are what the model writes next, as OpenAI's own API returns them — JSON the
+#: client should validate).  ``regex`` for its partial matches: whether text cut off here can
+#: still become a header.
+_HEADER = regex.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)+")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
+
+
+def _value_end(text: str, start: int, done: bool) -> tuple[int, bool]:
+    """Where the JSON object starting at ``text[start]`` ends: ``(end, closed)``.  An object cut
+    off (by ``</tool_call>`` outside a string, or by the end of the text) ends there, unclosed; a
+    reply still being generated holds back a tail that may begin ``</tool_call>``."""
+    depth, in_string, escaped, i = 0, False, False, start
+    while i < len(text):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1, True
+        elif ch == "<" and (text.startswith(_CLOSE, i) or (not done and _CLOSE.startswith(text[i:]))):
+            return i, False
+        i += 1
+    return len(text), False
+
+
+def _name(header) -> str | None:
+    """The function name a header writes (None: its string is not valid JSON, e.g. a bad escape)."""
+    try:
+        return json.loads(header.group(1))
+    except json.JSONDecodeError:
+        return None
+
+
+def _after_call(text: str, pos: int) -> int:
+    """Past a call's closing ``}`` and ``</tool_call>`` (either may be missing; a closing tag cut
+    off by the token budget at the very end counts)."""
+    pos += re.match(r"\s*\}?\s*", text[pos:]).end()
+    if text.startswith(_CLOSE, pos):
+        return pos + len(_CLOSE)
+    rest = text[pos:].strip()
+    return len(text) if rest and _CLOSE.startswith(rest) else pos
+
+
+def _whole_block(text: str, start: int) -> tuple[list[tuple[str, str]], int] | None:
+    """A block whose call does not open with a header (a list of calls, ``arguments`` first): its
+    calls and the index after it once it is whole and well formed, else None."""
+    parsed = _json_at(text, start + len(_OPEN))
+    found = _calls_of(parsed[0]) if parsed else None
+    if found is None:
+        return None
+    end, rest = parsed[1], text[parsed[1]:]
+    closing = re.match(r"\s*</tool_call>", rest)
+    if closing:
+        end += closing.end()
+    elif _CLOSE.startswith(rest.strip()):  # the closing tag cut off by the token budget
+        end = len(text)
+    else:  # no closing tag and more text: not a call the model finished
+        return None
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in found], end
+
+
+def read_hermes(text: str, done: bool = True) -> Reading:
+    """``<tool_call>{json}</tool_call>`` blocks, read as the reply is generated (``done`` false:
+    only what is certain) or once it is finished.  A block that opens with ``{"name": ...,
+    "arguments": `` is a call from then on, its arguments the object's text as written (they stream
+    as they are generated); any other block (a list of calls, ``arguments`` first) counts once it
+    is whole and well formed; a malformed one stays in the text, and so does everything after it.
+    The content is the text around the calls, without the whitespace that joins it to them."""
+    calls: list[tuple[str, str]] = []
+    kept, pos = [], 0
     while True:
-        start = text.find("<tool_call>", pos)
+        start = text.find(_OPEN, pos)
         if start < 0:
             break
-        parsed = _json_at(text, start + len("<tool_call>"))
-        found = _calls_of(parsed[0]) if parsed else None
-        if found is None:  # malformed: stays in the text, and so does everything after it
-            break
-        end = parsed[1]
-        rest = text[end:]
-        closing = re.match(r"\s*</tool_call>", rest)
-        if closing:
-            end += closing.end()
-        elif "</tool_call>".startswith(rest.strip()):  # the closing tag cut off by the token budget
-            end = len(text)
-        else:  # no closing tag and more text: not a call the model finished
+        header = _HEADER.match(text, start + len(_OPEN), partial=not done)
+        name = _name(header) if header is not None and not header.partial else None
+        if name is not None:
+            value = header.end()
+            end, closed = _value_end(text, value, done)
+            kept.append(text[pos:start])
+            calls.append((name, text[value:end]))
+            if not done and not closed:  # its arguments are still being written
+                return kept[0].rstrip(), calls
+            pos = _after_call(text, end)
+            continue
+        if not done:  # a header not yet whole, or a block that can be read only once it is
+            kept.append(text[pos:start])
+            return kept[0].rstrip(), calls
+        block = _whole_block(text, start)
+        if block is None:
             break
         kept.append(text[pos:start])
-        calls.extend(found)
-        pos = end
+        calls.extend(block[0])
+        pos = block[1]
+    if not done:  # what follows the last call (or all of it): content, save what may open a call
+        tail = text[pos:]
+        held = next((k for k in range(min(len(_OPEN) - 1, len(tail)), 0, -1) if _OPEN.startswith(tail[-k:])), 0)
+        kept.append(tail[:len(tail) - held])
+        return kept[0].rstrip(), calls
     kept.append(text[pos:])
-    return ("".join(kept).strip() if calls else text), calls
+    if not calls:
+        return text, []
+    pieces = [kept[0].rstrip()] + [k.strip() for k in kept[1:]]
+    return "\n".join(p for p in pieces if p), calls
+
+
+def parse_hermes(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """``<tool_call>{json}</tool_call>`` blocks (a JSON object or a list of them each), read by
+    :func:`read_hermes`."""
+    content, calls = read_hermes(text, done=True)
+    return content, [openai_call({"name": name, "arguments": arguments}) for name, arguments in calls]
 
 
 def parse_llama3(text: str) -> tuple[str, list[dict[str, Any]]]:
@@ -202,7 +313,7 @@ def _start_mistral(name: str | None) -> str:
     return '[TOOL_CALLS][{"name": "' + (f'{name}", "arguments": ' if name else "")
 
 
-register_tool_parser("hermes", ToolParser(parse=parse_hermes, start=_start_hermes))
+register_tool_parser("hermes", ToolParser(parse=parse_hermes, start=_start_hermes, incremental=read_hermes))
 register_tool_parser("generic", TOOL_PARSERS["hermes"])  # srpo's generic format is Hermes text
 register_tool_parser("llama3", ToolParser(parse=parse_llama3, start=_start_llama3))
 register_tool_parser("mistral", ToolParser(parse=parse_mistral, start=_start_mistral))

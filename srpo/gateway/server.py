@@ -144,7 +144,7 @@ def build_app(resolve, *, serve_root: bool = False):
                 if first is not None:  # tokens are coming: stream them as they are drawn
                     live = {"responses": streaming.response_events,
                             "messages": streaming.message_stream}.get(kind, streaming.chat_chunks)
-                    return StreamingResponse(live(req, first, queue, task, backend.tokenizer),
+                    return StreamingResponse(live(req, first, queue, task, streaming.reply_streams(req, backend)),
                                              media_type="text/event-stream")
                 choices, prompt_tokens = task.result()  # ended (or failed) before its first token
             else:

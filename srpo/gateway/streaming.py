@@ -11,11 +11,22 @@ arrives, and with ``stop`` strings the last ``len(longest stop) - 1`` characters
 the reply ends (a stop string is removed from the answer, as OpenAI does, so it must never have
 been sent).  The stream looks for the stop strings itself: the sampler reports each token before
 it checks for a stop, and one token may hold a stop string and more (``"\n\n"`` under
-``stop=["\n"]``) — nothing from the first stop string on ever leaves.  Replies that offer tools are not streamed token by token: whether the text is a tool
-call is known only once it is parsed, so they leave whole when done (tool calls as OpenAI streams
-them); so do replies of a role with a reasoning parser (the thinking is split off once it ends).  Both engines report tokens one by one: srpo's sampler from its decode loop, vLLM from its
-engine's step loop with delta outputs (:meth:`srpo.rollout.vllm.VLLMEngine.generate`); an engine
-that does not (a user's own) ends up with the whole reply in one delta at the end.
+``stop=["\n"]``) — nothing from the first stop string on ever leaves.
+
+Tool calls stream too, in OpenAI's shape (chat completions: ``tool_calls`` deltas, the call's id
+and name first, then its arguments piece by piece; the Responses API: a ``function_call`` item and
+its ``function_call_arguments.delta`` events), when the role's tool parser reads replies
+incrementally (:class:`srpo.gateway.parsers.ToolParser`'s ``incremental``: the Hermes format of
+srpo's generic tools, Qwen and SmolLM2): at each token the parser says what of the reply is
+certain, and :class:`ReplyStream` sends what was not yet sent — so the deltas add up to the
+unstreamed reply by construction.  Replies leave whole when done where that cannot hold: a parser
+without ``incremental``, a model whose tokenizer parses its own replies (``response_template``),
+a role with a reasoning parser (the thinking is split off once it ends), and Anthropic's
+``tool_use`` blocks (their ``input`` is parsed JSON).  Nothing here touches the token ids: what is
+recorded and trained on is what the sampler drew.  Both engines report tokens one by one: srpo's
+sampler from its decode loop, vLLM from its engine's step loop with delta outputs
+(:meth:`srpo.rollout.vllm.VLLMEngine.generate`); an engine that does not (a user's own) ends up
+with the whole reply in one delta at the end.
 """
 
 from __future__ import annotations
@@ -26,9 +37,11 @@ import logging
 import secrets
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from srpo.gateway import anthropic, responses
+from srpo.gateway import anthropic, responses, tools
+from srpo.gateway.parsers import TOOL_PARSERS, Reading
 from srpo.gateway.protocol import Choice, CompletionRequest, error_body
 
 log = logging.getLogger(__name__)
@@ -87,13 +100,105 @@ class TokenText:
         return final[len(sent):] if final.startswith(sent) else ""
 
 
+@dataclass
+class StreamedCall:
+    """A tool call as it has been sent: its id, name and the arguments sent so far."""
+
+    id: str
+    name: str
+    arguments: str = ""
+
+
+def _plain(text: str, done: bool) -> Reading:
+    return text, []
+
+
+class ReplyStream:
+    """One reply as its tokens arrive, read into deltas: ``("content", text)``, ``("call", i)``
+    (call ``i`` is known: its id and name) and ``("arguments", i, text)``.
+
+    The text leaves :class:`TokenText` (whole characters, no stop string), then ``read(text so
+    far, done)`` — a tool parser's ``incremental`` with ``forced`` (the start of a call srpo wrote
+    for the model) before it, or the text itself when no tools are offered — says what is certain,
+    and the deltas are what it adds to what was sent.  :meth:`finish` reads the finished reply from
+    its choice (what the unstreamed call returns) and gives the call ids sent to the choice's calls."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...] = (), read=_plain, forced: str = ""):
+        self.text = TokenText(tokenizer, stops)
+        self.read = read
+        self.seen = forced
+        self.content = ""  # content sent
+        self.calls: list[StreamedCall] = []
+
+    def push(self, token_id: int) -> list[tuple]:
+        piece = self.text.push(token_id)
+        if not piece:
+            return []
+        self.seen += piece
+        return self._advance(self.read(self.seen, False))
+
+    def finish(self, c: Choice) -> list[tuple]:
+        """The deltas that complete the reply to ``c``; ``c``'s calls take the ids sent."""
+        out = self._advance((c.text, [(t["function"]["name"], t["function"]["arguments"]) for t in c.tool_calls]))
+        for sent, call in zip(self.calls, c.tool_calls):
+            call["id"] = sent.id
+        return out
+
+    def _advance(self, reading: Reading) -> list[tuple]:
+        content, calls = reading
+        out: list[tuple] = []
+        if not content.startswith(self.content) or any(
+                name != sent.name or not args.startswith(sent.arguments)
+                for (name, args), sent in zip(calls, self.calls)) or len(calls) < len(self.calls):
+            # A parser that took back what it had said: the stream cannot un-send it (its
+            # ``incremental`` breaks its contract); the log says so, the rest is sent as it can be.
+            log.warning("a tool parser's reading of a streamed reply took back what was sent; "
+                        "the streamed reply differs from the unstreamed one")
+        if len(content) > len(self.content) and content.startswith(self.content):
+            out.append(("content", content[len(self.content):]))
+            self.content = content
+        for i, (name, args) in enumerate(calls):
+            if i == len(self.calls):
+                self.calls.append(StreamedCall(f"call_{secrets.token_hex(12)}", name))
+                out.append(("call", i))
+            sent = self.calls[i]
+            if len(args) > len(sent.arguments) and args.startswith(sent.arguments):
+                out.append(("arguments", i, args[len(sent.arguments):]))
+                sent.arguments = args
+        return out
+
+
+def _tool_reader(req: CompletionRequest, backend):
+    """``(read, forced)`` for a request that offers tools, or None when its calls cannot stream."""
+    tokenizer = backend.tokenizer
+    if getattr(tokenizer, "response_template", None):  # the tokenizer parses its replies whole
+        return None
+    spec = backend.role_spec(req.model) if hasattr(backend, "role_spec") else None
+    name = tools.reply_parser(tokenizer, getattr(spec, "tool_parser", None))
+    parser = TOOL_PARSERS[name]
+    if parser.incremental is None or req.anthropic:
+        return None
+    return parser.incremental, tools.forced_prefix(name, req.tool_choice)
+
+
 def streams_tokens(req: CompletionRequest, backend) -> bool:
-    """Whether this request is streamed token by token (see the module doc): not when its reply
-    must be parsed first — tools offered, or a role whose thinking a reasoning parser splits off."""
-    if not (req.stream and getattr(backend, "streams", False)) or (req.tools and req.tool_choice != "none"):
+    """Whether this request is streamed token by token (see the module doc)."""
+    if not (req.stream and getattr(backend, "streams", False)):
         return False
     spec = backend.role_spec(req.model) if hasattr(backend, "role_spec") else None
-    return getattr(spec, "reasoning_parser", None) is None
+    if getattr(spec, "reasoning_parser", None) is not None:
+        return False
+    return not offers_tools(req) or _tool_reader(req, backend) is not None
+
+
+def offers_tools(req: CompletionRequest) -> bool:
+    return bool(req.tools) and req.tool_choice != "none"
+
+
+def reply_streams(req: CompletionRequest, backend) -> list[ReplyStream]:
+    """One :class:`ReplyStream` per choice of a request that :func:`streams_tokens`."""
+    read, forced = _tool_reader(req, backend) if offers_tools(req) else (_plain, "")
+    return [ReplyStream(backend.tokenizer, req.stop or (), read, forced) for _ in range(req.n)]
 
 
 def start(backend, req: CompletionRequest):
@@ -133,9 +238,9 @@ async def _tokens(first, queue: asyncio.Queue) -> AsyncIterator[tuple[int, int]]
 def _cancel_on_close(events):
     """A stream the server stops reading (the client went away) cancels its generation."""
 
-    async def wrapped(req, first, queue, task, tokenizer):
+    async def wrapped(req, first, queue, task, streams):
         try:
-            async for event in events(req, first, queue, task, tokenizer):
+            async for event in events(req, first, queue, task, streams):
                 yield event
         finally:
             if not task.done():
@@ -157,30 +262,40 @@ async def _result(task):
         return None, error_body("the generation failed (the server's log says why)", kind="server_error")
 
 
+def _chat_delta(delta: tuple, calls: list[StreamedCall]) -> dict[str, Any]:
+    """A :class:`ReplyStream` delta as a chat chunk's ``delta``."""
+    if delta[0] == "content":
+        return {"content": delta[1]}
+    index = delta[1]
+    if delta[0] == "call":
+        call = calls[index]
+        return {"tool_calls": [{"index": index, "id": call.id, "type": "function",
+                                "function": {"name": call.name, "arguments": ""}}]}
+    return {"tool_calls": [{"index": index, "function": {"arguments": delta[2]}}]}
+
+
 @_cancel_on_close
-async def chat_chunks(req: CompletionRequest, first, queue, task, tokenizer) -> AsyncIterator[str]:
+async def chat_chunks(req: CompletionRequest, first, queue, task, streams) -> AsyncIterator[str]:
     """``chat.completion.chunk`` (or ``text_completion``) events as the reply is generated."""
     rid, created = f"{'chatcmpl' if req.chat else 'cmpl'}-{secrets.token_hex(12)}", int(time.time())
     kind = "chat.completion.chunk" if req.chat else "text_completion"
-    texts = [TokenText(tokenizer, req.stop or ()) for _ in range(req.n)]
     opened = set()
 
-    def chunk(index: int, text: str | None = None, finish: str | None = None, role: bool = False) -> str:
+    def chunk(index: int, delta: tuple | None = None, finish: str | None = None, role: bool = False) -> str:
         if req.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else (
-                {} if text is None else {"content": text})
-            body = {"index": index, "delta": delta, "finish_reason": finish}
+            body_delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else (
+                {} if delta is None else _chat_delta(delta, streams[index].calls))
+            body = {"index": index, "delta": body_delta, "finish_reason": finish}
         else:
-            body = {"index": index, "text": text or "", "finish_reason": finish}
+            body = {"index": index, "text": delta[1] if delta else "", "finish_reason": finish}
         return _sse({"id": rid, "object": kind, "created": created, "model": req.model, "choices": [body]})
 
     async for index, token_id in _tokens(first, queue):
         if req.chat and index not in opened:
             opened.add(index)
             yield chunk(index, role=True)
-        piece = texts[index].push(token_id)
-        if piece:
-            yield chunk(index, piece)
+        for delta in streams[index].push(token_id):
+            yield chunk(index, delta)
     result, error = await _result(task)
     if error is not None:
         yield _sse(error)
@@ -189,72 +304,122 @@ async def chat_chunks(req: CompletionRequest, first, queue, task, tokenizer) -> 
     for index, c in enumerate(choices):
         if req.chat and index not in opened:
             yield chunk(index, role=True)
-        rest = texts[index].finish(c.text)
-        if rest:
-            yield chunk(index, rest)
+        for delta in streams[index].finish(c):
+            yield chunk(index, delta)
         yield chunk(index, finish=c.finish_reason)
     yield "data: [DONE]\n\n"
 
 
+class _ResponseItems:
+    """The output items of a streamed response, opened as its deltas arrive: the message (when
+    there is text) and one ``function_call`` per call, numbered in the order they open."""
+
+    def __init__(self, ev: responses.EventWriter, stream: ReplyStream):
+        self.ev, self.stream = ev, stream
+        self.order: list[tuple[str, int]] = []  # ("message", 0) | ("call", i), by output index
+        self.message_id = f"msg_{secrets.token_hex(12)}"
+        self.call_ids: list[str] = []
+
+    def index(self, key: tuple[str, int]) -> int:
+        return self.order.index(key)
+
+    def open_message(self) -> list[str]:
+        if ("message", 0) in self.order:
+            return []
+        self.order.append(("message", 0))
+        out = self.index(("message", 0))
+        empty = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [self.ev("response.output_item.added", output_index=out,
+                        item={"id": self.message_id, "type": "message", "status": "in_progress", "role": "assistant",
+                              "content": []}),
+                self.ev("response.content_part.added", item_id=self.message_id, output_index=out, content_index=0,
+                        part=empty)]
+
+    def events(self, delta: tuple) -> list[str]:
+        if delta[0] == "content":
+            return self.open_message() + [self.ev(
+                "response.output_text.delta", item_id=self.message_id, output_index=self.index(("message", 0)),
+                content_index=0, delta=delta[1], logprobs=[])]
+        i = delta[1]
+        if delta[0] == "call":
+            self.order.append(("call", i))
+            self.call_ids.append(f"fc_{secrets.token_hex(12)}")
+            call = self.stream.calls[i]
+            return [self.ev("response.output_item.added", output_index=self.index(("call", i)),
+                            item={"id": self.call_ids[i], "type": "function_call", "status": "in_progress",
+                                  "call_id": call.id, "name": call.name, "arguments": ""})]
+        return [self.ev("response.function_call_arguments.delta", item_id=self.call_ids[i],
+                        output_index=self.index(("call", i)), delta=delta[2])]
+
+    def close(self, c: Choice) -> tuple[list[str], list[dict[str, Any]]]:
+        """The closing events of every item and the items as the finished response lists them."""
+        if not self.order or (c.text and ("message", 0) not in self.order):
+            events = self.open_message()
+        else:
+            events = []
+        items, ev = [], self.ev
+        for out, (kind, i) in enumerate(self.order):
+            if kind == "message":
+                part = {"type": "output_text", "text": c.text, "annotations": [], "logprobs": []}
+                item = {"id": self.message_id, "type": "message", "status": "completed", "role": "assistant",
+                        "content": [part]}
+                events += [ev("response.output_text.done", item_id=self.message_id, output_index=out, content_index=0,
+                              text=c.text, logprobs=[]),
+                           ev("response.content_part.done", item_id=self.message_id, output_index=out,
+                              content_index=0, part=part)]
+            else:
+                call = c.tool_calls[i]
+                item = {"id": self.call_ids[i], "type": "function_call", "status": "completed",
+                        "call_id": call["id"], "name": call["function"]["name"],
+                        "arguments": call["function"]["arguments"]}
+                events.append(ev("response.function_call_arguments.done", item_id=self.call_ids[i], output_index=out,
+                                 name=item["name"], arguments=item["arguments"]))
+            events.append(ev("response.output_item.done", output_index=out, item=item))
+            items.append(item)
+        return events, items
+
+
 @_cancel_on_close
-async def response_events(req: CompletionRequest, first, queue, task, tokenizer) -> AsyncIterator[str]:
-    """The Responses API's event sequence as the reply is generated (one message item)."""
+async def response_events(req: CompletionRequest, first, queue, task, streams) -> AsyncIterator[str]:
+    """The Responses API's event sequence as the reply is generated: its message item and one
+    ``function_call`` item per tool call, each streamed as it is generated."""
     ev, rid, created = responses.EventWriter(), f"resp_{secrets.token_hex(12)}", int(time.time())
     start_obj = responses.response_object(req, Choice("", "stop", 0), 0, rid=rid, created=created, items=[],
                                           status="in_progress")
     yield ev("response.created", response=start_obj)
     yield ev("response.in_progress", response=start_obj)
-    text, item_id, opened = TokenText(tokenizer, req.stop or ()), f"msg_{secrets.token_hex(12)}", False
-    empty_part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-
-    def open_item():
-        return [ev("response.output_item.added", output_index=0,
-                   item={"id": item_id, "type": "message", "status": "in_progress", "role": "assistant", "content": []}),
-                ev("response.content_part.added", item_id=item_id, output_index=0, content_index=0, part=empty_part)]
-
+    stream = streams[0]
+    items = _ResponseItems(ev, stream)
     async for _, token_id in _tokens(first, queue):
-        if not opened:
-            opened = True
-            for e in open_item():
+        for delta in stream.push(token_id):
+            for e in items.events(delta):
                 yield e
-        piece = text.push(token_id)
-        if piece:
-            yield ev("response.output_text.delta", item_id=item_id, output_index=0, content_index=0, delta=piece,
-                     logprobs=[])
     result, error = await _result(task)
     if error is not None:
         yield ev("error", code="server_error", message=error["error"]["message"], param=None)
         return
     (c, *_), prompt_tokens = result
-    if not opened:
-        for e in open_item():
+    for delta in stream.finish(c):
+        for e in items.events(delta):
             yield e
-    rest = text.finish(c.text)
-    if rest:
-        yield ev("response.output_text.delta", item_id=item_id, output_index=0, content_index=0, delta=rest,
-                 logprobs=[])
-    part = {"type": "output_text", "text": c.text, "annotations": [], "logprobs": []}
-    item = {"id": item_id, "type": "message", "status": "completed", "role": "assistant", "content": [part]}
-    yield ev("response.output_text.done", item_id=item_id, output_index=0, content_index=0, text=c.text, logprobs=[])
-    yield ev("response.content_part.done", item_id=item_id, output_index=0, content_index=0, part=part)
-    yield ev("response.output_item.done", output_index=0, item=item)
-    final = responses.response_object(req, c, prompt_tokens, rid=rid, created=created, items=[item])
+    closing, output = items.close(c)
+    for e in closing:
+        yield e
+    final = responses.response_object(req, c, prompt_tokens, rid=rid, created=created, items=output)
     yield ev("response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final)
 
 
 @_cancel_on_close
-async def message_stream(req: CompletionRequest, first, queue, task, tokenizer) -> AsyncIterator[str]:
+async def message_stream(req: CompletionRequest, first, queue, task, streams) -> AsyncIterator[str]:
     """Anthropic's Messages event sequence as the reply is generated (one text block)."""
-    mid = f"msg_{secrets.token_hex(12)}"
-    text, opened = TokenText(tokenizer, req.stop or ()), False
+    mid, stream, opened = f"msg_{secrets.token_hex(12)}", streams[0], False
     started = anthropic.message_object(req, Choice("", "stop", 0), 0, mid=mid, started=True)
     yield anthropic.event("message_start", message=started)
     async for _, token_id in _tokens(first, queue):
         if not opened:
             opened = True
             yield anthropic.event("content_block_start", index=0, content_block={"type": "text", "text": ""})
-        piece = text.push(token_id)
-        if piece:
+        for _, piece in stream.push(token_id):
             yield anthropic.event("content_block_delta", index=0, delta={"type": "text_delta", "text": piece})
     result, error = await _result(task)
     if error is not None:
@@ -263,9 +428,8 @@ async def message_stream(req: CompletionRequest, first, queue, task, tokenizer) 
     (c, *_), _ = result
     if not opened:
         yield anthropic.event("content_block_start", index=0, content_block={"type": "text", "text": ""})
-    rest = text.finish(c.text)
-    if rest:
-        yield anthropic.event("content_block_delta", index=0, delta={"type": "text_delta", "text": rest})
+    for _, piece in stream.finish(c):
+        yield anthropic.event("content_block_delta", index=0, delta={"type": "text_delta", "text": piece})
     yield anthropic.event("content_block_stop", index=0)
     for e in anthropic.closing_events(req, c, 1):
         yield e

@@ -86,6 +86,12 @@ def template_renders_tools(chat_template: str | None) -> bool:
     return bool(chat_template) and re.search(r"\btools\b", chat_template) is not None
 
 
+def reply_parser(tokenizer, tool_parser: str | None = None) -> str:
+    """The tool parser a role's replies are read with: its own (``tool_parser``), else the one of
+    its tokenizer's chat template family (:func:`tool_format`)."""
+    return tool_parser or tool_format(getattr(tokenizer, "chat_template", None))
+
+
 def tool_format(chat_template: str | None) -> str:
     """The tool-call format of a template: hermes, llama3, mistral, or generic (it renders no
     tools: srpo's generic format, which is Hermes text)."""

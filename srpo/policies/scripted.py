@@ -41,6 +41,9 @@ class ScriptedPolicies(PolicySet):
                 text = text[: min(stops)]
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][: r.params.max_new_tokens]
             reason = "length" if len(ids) == r.params.max_new_tokens else "eos"
+            if r.params.on_token is not None:  # as the sampler does: each token reported as it is "drawn"
+                for token in ids:
+                    r.params.on_token(token)
             out.append(Sample(completion_ids=ids, text=self.tokenizer.decode(ids), logprobs=[-1.0] * len(ids),
                               finish_reason=reason))
         return out

@@ -3,6 +3,7 @@ completions and the Responses API, and add up to the same reply as the unstreame
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -125,3 +126,133 @@ def test_streamed_replies_with_stop_strings_match_the_unstreamed_ones(served):
             model="solver", messages=messages, stop=stops, stream=True)
             if c.choices and c.choices[0].delta.content]
         assert "".join(pieces) == whole and not any(s in p for p in pieces for s in stops), (prompt, pieces, whole)
+
+
+# -- tool calls, streamed as they are generated --------------------------------------------------
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "array"}}}}}
+CALL = '{"name": "weather", "arguments": {"city": "Paris", "days": [1, 2], "note": "a } in \\"quotes\\""}}'
+
+
+def _script(role, prompt):
+    """Calls the weather tool when tools are offered (Hermes text), answers plainly otherwise; a
+    call srpo started for the model (tool_choice naming it) is continued from its arguments."""
+    if prompt.endswith('"arguments": '):
+        return '{"city": "Oslo"}}\n</tool_call>'
+    if "<tools>" in prompt:
+        return f"Let me check.\n<tool_call>\n{CALL}\n</tool_call>"
+    return "It is sunny today."
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    """srpo serve's backend over scripted policies that report each token as it is "drawn"."""
+    from srpo.gateway.backends import ServeBackend
+    from srpo.gateway.server import Gateway
+    from srpo.policies.scripted import ScriptedPolicies
+    from srpo.rollout.builtin import BuiltinEngine
+    from srpo.types import RoleSpec, SamplingParams
+
+    policies = ScriptedPolicies(_script, ["agent"])
+    backend = ServeBackend(BuiltinEngine(policies), policies,
+                           {"agent": RoleSpec("agent", sampling=SamplingParams(max_new_tokens=400))})
+    gw = Gateway()
+    yield openai.OpenAI(base_url=gw.url(gw.open(backend)), api_key="x", max_retries=0)
+    gw.stop()
+    backend.close()
+
+
+def _accumulated(chunks):
+    """A streamed chat reply put together as a client does: content, and each call by its index."""
+    content, calls, pieces = "", {}, 0
+    for chunk in chunks:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for tc in c.delta.tool_calls or []:
+                call = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = tc.id or call["id"]
+                call["name"] += (tc.function.name or "") if tc.function else ""
+                if tc.function and tc.function.arguments:
+                    call["arguments"] += tc.function.arguments
+                    pieces += 1
+    return content, [calls[i] for i in sorted(calls)], pieces
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", {"type": "function", "function": {"name": "weather"}}])
+def test_tool_call_arguments_stream_as_generated_and_add_up_to_the_unstreamed_reply(scripted, tool_choice):
+    kw = dict(model="agent", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER],
+              tool_choice=tool_choice)
+    whole = scripted.chat.completions.create(**kw).choices[0]
+    chunks = list(scripted.chat.completions.create(stream=True, **kw))
+    content, calls, pieces = _accumulated(chunks)
+    assert whole.finish_reason == "tool_calls" and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert content == (whole.message.content or "")
+    assert [(c["name"], c["arguments"]) for c in calls] == \
+           [(t.function.name, t.function.arguments) for t in whole.message.tool_calls]
+    assert pieces > 3 and all(c["id"].startswith("call_") for c in calls)  # piece by piece, with an id
+    json.loads(calls[0]["arguments"])  # what the model wrote, a JSON object here
+    # The openai SDK's own accumulator reads the same message.
+    with scripted.chat.completions.stream(**kw) as stream:
+        final = stream.get_final_completion().choices[0].message
+    assert [(t.function.name, t.function.arguments) for t in final.tool_calls] == \
+           [(c["name"], c["arguments"]) for c in calls]
+
+
+def test_the_responses_api_streams_function_call_arguments(scripted):
+    tools = [{"type": "function", "name": "weather", "parameters": WEATHER["function"]["parameters"]}]
+    kw = dict(model="agent", input="Weather in Paris?", tools=tools)
+    whole = scripted.responses.create(**kw)
+    events = list(scripted.responses.create(stream=True, **kw))
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    added = [e.item for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
+    final = events[-1].response
+    assert events[-1].type == "response.completed" and len(deltas) > 3
+    (call,) = [i for i in whole.output if i.type == "function_call"]
+    (streamed,) = [i for i in final.output if i.type == "function_call"]
+    assert "".join(deltas) == streamed.arguments == call.arguments and streamed.name == call.name == "weather"
+    assert added[0].call_id == streamed.call_id and final.output_text == whole.output_text == "Let me check."
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_recorded_ids_are_the_ids_drawn_streamed_or_not_with_tools_or_not():
+    """Through a training episode on the tiny model's real sampler: every member's completion ids
+    are exactly the ids the sampler drew (reported token by token when streamed), never the reply
+    re-tokenised — random weights write bytes whose text does not tokenise back to them."""
+    import dataclasses
+
+    from helpers import HELPERS
+    from srpo.policies.layouts import build_policies
+    from srpo.rollout.builtin import BuiltinEngine
+    from srpo.tasks.base import Task
+    from srpo.tasks.kinds import task_kind
+    from srpo.workflows.builtins import build_workflow
+    from srpo.workflows.runtime import Runtime
+
+    drawn, reported = [], []
+
+    class Recording(BuiltinEngine):
+        def generate(self, requests, generator=None):
+            streamed = []
+            for r in requests:
+                if r.params.on_token is not None:
+                    got, report = [], r.params.on_token
+                    reported.append(got)
+                    r.params = dataclasses.replace(r.params, on_token=lambda t, got=got, report=report: (
+                        got.append(t), report(t)))
+                streamed.append(r.params.on_token is not None)
+            samples = super().generate(requests, generator)
+            drawn.extend((tuple(s.completion_ids), flag) for s, flag in zip(samples, streamed))
+            return samples
+
+    policies = build_policies("shared", "tiny-llama", ["solver"], seed=0)
+    agent = build_workflow("openai_agent", entry=f"{HELPERS / 'gateway_teams.py'}:streams_and_tools",
+                           roles=["solver"], max_new_tokens=12, isolation="thread")
+    runtime = Runtime(Recording(policies), agent.default_role_specs(), task_kind("math").grade)
+    (result,) = runtime.run(agent, [("e0", Task("t0", "What is 1 + 2?", ("3",), "math"))])
+    assert not runtime.failures, runtime.first_traceback
+    recorded = sorted(tuple(m.completion_ids) for e in result.events for m in e.members)
+    assert len(recorded) == 4 and recorded == sorted(ids for ids, _ in drawn)
+    assert [ids for ids, flag in drawn if flag] == [tuple(r) for r in reported] and len(reported) == 2
+    text = policies.tokenizer.decode(list(recorded[0]), skip_special_tokens=True)
+    assert any(tuple(policies.tokenizer(policies.tokenizer.decode(list(ids)), add_special_tokens=False)["input_ids"])
+               != ids for ids in recorded), text  # re-tokenising would have changed them

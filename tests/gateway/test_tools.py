@@ -44,8 +44,8 @@ HERMES_CASES = [
     ('<tool_call>{"name": "weather", "parameters": {"city": "Lima"}}</tool_call>', "", [("weather", {"city": "Lima"})]),
 ]
 MALFORMED = [
-    '<tool_call>{"name": "weather", "arguments": {"city": "Paris"</tool_call>',  # broken JSON
     '<tool_call>{"arguments": {}}</tool_call>',  # no name
+    '<tool_call>[{"name": "weather", "arguments": {"city": "Paris"}</tool_call>',  # a broken list of calls
     '<tool_call>{"name": "weather"} and then more words',  # unclosed with text after it
     "The weather is fine.",  # no call at all
 ]
@@ -62,6 +62,47 @@ def test_hermes_calls_are_parsed(reply, content, expected):
 @pytest.mark.parametrize("reply", MALFORMED)
 def test_text_that_does_not_parse_is_returned_as_content(reply):
     assert tools.parse_tool_calls(reply, "hermes") == (reply, [])
+
+
+def test_a_call_whose_header_is_written_is_a_call_with_its_arguments_as_written():
+    """Once ``{"name": ..., "arguments": `` is written the block is a call (its arguments stream
+    from there), as OpenAI returns calls: arguments are what the model wrote, which a client
+    validates — cut off by ``</tool_call>`` or by the token budget, they are cut off."""
+    text, calls = tools.parse_tool_calls('<tool_call>{"name": "weather", "arguments": {"city": "Paris"</tool_call>',
+                                         "hermes")
+    assert text == "" and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
+           [("weather", '{"city": "Paris"')]
+    text, calls = tools.parse_tool_calls('Sure.\n<tool_call>{"name": "weather", "arguments":{"city" :"Ro', "hermes")
+    assert text == "Sure." and calls[0]["function"]["arguments"] == '{"city" :"Ro'  # written, not re-serialised
+
+
+REPLIES = [case[0] for case in HERMES_CASES] + MALFORMED + [
+    ' Sure, let me look.\n\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "search", "arguments": {"q": "a \\"quoted\\" } brace"}}\n</tool_call>\nDone.',
+    '<tool_call>{"name": "weather", "arguments": {"city": "Paris"</tool_call>',
+    'Text with a < sign and <tool_c but no call',
+]
+
+
+@pytest.mark.parametrize("reply", REPLIES)
+def test_reading_a_reply_as_it_is_generated_only_ever_adds_and_ends_where_parsing_does(reply):
+    """What a stream sends is what :func:`read_hermes` finds certain at each character: it must
+    only grow (content and each call's arguments extended, calls appended, names fixed) and end at
+    the unstreamed reading — so streamed deltas add up to the unstreamed reply."""
+    from srpo.gateway.parsers import read_hermes
+
+    sent_content, sent_calls = "", []
+    for cut in range(len(reply) + 1):
+        content, calls = read_hermes(reply[:cut], done=False)
+        assert content.startswith(sent_content) and len(calls) >= len(sent_calls), (cut, content, calls)
+        for (name, args), (old_name, old_args) in zip(calls, sent_calls):
+            assert name == old_name and args.startswith(old_args), (cut, calls, sent_calls)
+        sent_content, sent_calls = content, calls
+    final = read_hermes(reply, done=True)
+    assert final[0].startswith(sent_content) and len(final[1]) >= len(sent_calls)
+    assert all(a.startswith(old) for (_, a), (_, old) in zip(final[1], sent_calls))
+    content, parsed = tools.parse_tool_calls(reply, "hermes")
+    assert (content, [(c["function"]["name"], c["function"]["arguments"]) for c in parsed]) == final
 
 
 def test_a_good_call_before_a_malformed_one_is_kept_and_the_rest_stays_text():

@@ -317,3 +317,19 @@ def reports_its_environment(task, url):
 
     _ask(_client(url), "solver", task.question)
     return ",".join(f"{name}={os.environ.get(name, '-')}" for name in ("HF_TOKEN", "MY_TOOL_KEY", "HOME"))
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def streams_and_tools(task, url):
+    """Asks four ways — whole and streamed, with tools (a call required) and without — and reads
+    every reply as a client would; for the test that the recorded ids are the ones drawn."""
+    client, messages, said = _client(url), [{"role": "user", "content": task.question}], []
+    for kw in ({}, {"tools": [WEATHER_TOOL], "tool_choice": "required"}):
+        reply = client.chat.completions.create(model="solver", messages=messages, **kw).choices[0].message
+        said.append(reply.content or "")
+        for chunk in client.chat.completions.create(model="solver", messages=messages, stream=True, **kw):
+            said.extend(c.delta.content or "" for c in chunk.choices)
+    return "".join(said)
