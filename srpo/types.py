@@ -21,11 +21,27 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class Grammar:
+    """The form a reply must take (structured output): JSON that ``schema`` (a JSON Schema, as JSON
+    text) accepts — ``{"type": "object"}`` for OpenAI's ``json_object``.  Engines enforce it by
+    constrained decoding (:mod:`srpo.policies.grammar`; vLLM's structured outputs)."""
+
+    schema: str
+    name: str = ""  # the schema's name in the request (json_schema.name), for messages
+    #: non-empty: a tool call is allowed instead — text that begins with this (the start of a call
+    #: in the role's tool format), free after it; the request offered tools as well
+    or_call: str = ""
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     stop: tuple[str, ...] = ()
+    #: the reply's required form; its tokens are drawn from the model's distribution masked to what
+    #: the grammar allows, and their behaviour log-probs are of that masked distribution
+    grammar: Grammar | None = None
     #: called with each token id as it is drawn, in the sampling thread (streamed replies: srpo's
     #: sampler and the vLLM engine call it; an engine that does not leaves the reply whole)
     on_token: Callable[[int], None] | None = field(default=None, compare=False, repr=False)

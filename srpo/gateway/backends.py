@@ -30,10 +30,10 @@ import torch
 
 from srpo.events import Member
 from srpo.gateway.dataflow import EpisodeRecorder
-from srpo.gateway import tools
-from srpo.gateway.parsers import REASONING_PARSERS
+from srpo.gateway import formats, tools
+from srpo.gateway.parsers import REASONING_PARSERS, TOOL_PARSERS
 from srpo.gateway.protocol import FINISH_REASONS, Choice, CompletionRequest, ProtocolError
-from srpo.types import GenerationRequest, RoleSpec, Sample, SamplingParams
+from srpo.types import GenerationRequest, Grammar, RoleSpec, Sample, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,22 @@ def render(tokenizer, req: CompletionRequest, tool_parser: str | None = None) ->
     return Rendered(tokenizer(text + forced, add_special_tokens=False)["input_ids"], parser, forced)
 
 
-def sampling(req: CompletionRequest, spec: RoleSpec, cap: int | None = None) -> SamplingParams:
-    """The request's sampling settings, the role's configured ones where it gives none.
+def reply_grammar(req: CompletionRequest, rendered: Rendered) -> Grammar | None:
+    """The form the reply must take (structured output), given what the request also offers: with
+    tools on ``auto`` the answer in its form or a tool call (its start in the role's format); with
+    a call forced (``required``, a named function) none — srpo has written the call's start."""
+    if req.grammar is None or not req.tools or req.tool_choice == "none":
+        return req.grammar
+    if req.tool_choice != "auto":
+        return None
+    start = TOOL_PARSERS[rendered.tool_format].start
+    return formats.with_tool_calls(req.grammar, start(None) if start is not None else None)
+
+
+def sampling(req: CompletionRequest, spec: RoleSpec, cap: int | None = None,
+             grammar: Grammar | None = None) -> SamplingParams:
+    """The request's sampling settings, the role's configured ones where it gives none; ``grammar``
+    (:func:`reply_grammar`) constrains the reply.
 
     ``max_tokens`` is capped at ``cap``: in training the role's budget (workflow.max_new_tokens or
     the role's override — the run's memory and time were planned for it); in ``srpo serve``
@@ -85,7 +99,7 @@ def sampling(req: CompletionRequest, spec: RoleSpec, cap: int | None = None) -> 
         temperature=base.temperature if req.temperature is None else req.temperature,
         top_p=base.top_p if req.top_p is None else req.top_p,
         max_new_tokens=max(1, min(req.max_tokens or base.max_new_tokens, cap)),
-        stop=base.stop if req.stop is None else req.stop)
+        stop=base.stop if req.stop is None else req.stop, grammar=grammar)
 
 
 def context_length(policies) -> int | None:
@@ -171,7 +185,9 @@ class EpisodeBackend:
                                 f"(workflow.max_prompt_tokens)", param="messages" if req.chat else "prompt",
                                 code="context_length_exceeded")
         call = self.recorder.before_call(req.model, req.texts())
-        params = sampling(req, spec)
+        params = sampling(req, spec, grammar=reply_grammar(req, rendered))
+        if params.grammar is not None:  # off-policy by the mass its mask removes: train.tis_cap corrects it
+            ctx.count("structured_output", req.n)
         samples = await runtime.generate(_requests(req, ids, params, on_token), ctx.episode_id)
         policies = runtime.policies
         pid = policies.policy_of(req.model)
@@ -288,7 +304,7 @@ class ServeBackend:
                    f"the model's context of {self.context} tokens leaves {cap} after the {len(ids)}-token prompt")
             raise ProtocolError(f"max_tokens is {req.max_tokens}; this server generates at most {cap} here ({why})",
                                 param="max_tokens", code="context_length_exceeded" if not self.max_tokens else None)
-        params = sampling(req, spec, cap if cap is not None else 1 << 30)
+        params = sampling(req, spec, cap if cap is not None else 1 << 30, reply_grammar(req, rendered))
         self._refuse_when_busy(req.n)  # again: tokenising took time, others may have queued
         futures = []
         for request in _requests(req, ids, params, on_token):

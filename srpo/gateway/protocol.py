@@ -16,8 +16,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from srpo.gateway import tools as tool_rules
+from srpo.gateway import formats, tools as tool_rules
 from srpo.gateway.errors import ProtocolError, error_body
+from srpo.types import Grammar
 
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_CHOICES = 16  # n: enough for best-of-n agents, small enough that one call cannot flood a step
@@ -48,6 +49,7 @@ class CompletionRequest:
     event_tag: str | None = None  # x-srpo-event header or extra_body srpo_event: the set this output joins
     responses: dict[str, Any] | None = None  # a /v1/responses request: what its response echoes
     anthropic: bool = False  # a /v1/messages request (Anthropic's Messages API)
+    grammar: Grammar | None = None  # structured output: response_format / text.format (srpo.gateway.formats)
 
     @property
     def chat(self) -> bool:
@@ -199,7 +201,7 @@ def parse_request(body: Any, *, chat: bool, headers: dict[str, str] | None = Non
                                         f"{{'name', 'parameters'}}}}) are served", param=f"tools[{i}]")
             req.tools = tools or None
         req.tool_choice = tool_rules.tool_choice(body.get("tool_choice"), req.tools)
-        tool_rules.check_response_format(body.get("response_format"))
+        req.grammar = formats.response_grammar(body.get("response_format"))
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):

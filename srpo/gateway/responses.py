@@ -18,7 +18,7 @@ import secrets
 import time
 from typing import Any, Iterator
 
-from srpo.gateway import tools as tool_rules
+from srpo.gateway import formats, tools as tool_rules
 from srpo.gateway.protocol import Choice, CompletionRequest, ProtocolError, _integer, _number, _tag
 
 _INPUT_ROLES = ("user", "system", "developer", "assistant")
@@ -116,15 +116,18 @@ def parse_responses_request(body: Any, headers: dict[str, str] | None = None) ->
     if not isinstance(stream, bool):
         raise ProtocolError("'stream' must be true or false", param="stream")
     text = body.get("text")
-    if isinstance(text, dict):
-        tool_rules.check_response_format(text.get("format"), param="text.format")
+    if text is not None and not isinstance(text, dict):
+        raise ProtocolError("'text' must be an object ({'format': {...}})", param="text")
+    text_format = (text or {}).get("format")
+    grammar = formats.response_grammar(text_format, "text.format", flat=True)
     tools = _tools(body)
     req = CompletionRequest(model=model, messages=_messages(body), temperature=_number(body, "temperature", 0.0, 2.0),
                             top_p=_number(body, "top_p", 0.0, 1.0, low_open=True),
                             max_tokens=_integer(body, "max_output_tokens", 1), stream=stream, tools=tools,
-                            event_tag=_tag(body, headers or {}))
+                            event_tag=_tag(body, headers or {}), grammar=grammar)
     req.tool_choice = tool_rules.tool_choice(body.get("tool_choice"), tools, flat=True)
     req.responses = {"instructions": body.get("instructions"), "tools": body.get("tools") or [],
+                     "text": {"format": text_format if grammar is not None else {"type": "text"}},
                      "tool_choice": body.get("tool_choice") or "auto", "metadata": body.get("metadata") or {},
                      "max_output_tokens": req.max_tokens, "parallel_tool_calls": body.get("parallel_tool_calls", True)}
     return req
@@ -163,7 +166,8 @@ def response_object(req: CompletionRequest, c: Choice, prompt_tokens: int, *, ri
         "instructions": echo.get("instructions"), "max_output_tokens": echo.get("max_output_tokens"),
         "model": req.model, "output": items, "parallel_tool_calls": echo.get("parallel_tool_calls", True),
         "previous_response_id": None, "reasoning": None, "store": False,
-        "temperature": req.temperature, "top_p": req.top_p, "text": {"format": {"type": "text"}},
+        "temperature": req.temperature, "top_p": req.top_p,
+        "text": echo.get("text", {"format": {"type": "text"}}),
         "tool_choice": echo.get("tool_choice", "auto"), "tools": echo.get("tools", []), "truncation": "disabled",
         "usage": ({"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
                    "output_tokens": c.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},

@@ -229,15 +229,3 @@ def parse_tool_calls(text: str, fmt: str, tokenizer=None, prompt_text: str | Non
         except Exception:  # noqa: BLE001 — a parser that trips over odd text: fall back to ours
             pass
     return TOOL_PARSERS[fmt].parse(text)
-
-
-def check_response_format(value: Any, param: str = "response_format") -> None:
-    """Only plain text is produced: JSON modes need constrained decoding, which srpo's engines do
-    not do — refused, never silently ignored."""
-    if value is None:
-        return
-    kind = value.get("type") if isinstance(value, dict) else value
-    if kind == "text":
-        return
-    raise ProtocolError(f"'{param}': only {{'type': 'text'}} is served — srpo's engines do not constrain "
-                        f"decoding to {kind!r}; ask for JSON in the prompt and parse the reply", param=param)

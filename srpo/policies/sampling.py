@@ -5,7 +5,9 @@ temperature, top-p, token limit and stop strings, so requests of different roles
 The behaviour log-prob of a sampled token is ``log softmax(logits / temperature)[token]`` — the
 same quantity :func:`srpo.policies.logprobs.completion_logprobs` recomputes — and top-p only
 restricts which tokens may be drawn (as verl and TRL do).  At temperature 0 the row is greedy
-and its log-probs are those of temperature 1.
+and its log-probs are those of temperature 1.  A row with a grammar (structured output) is drawn
+from the distribution masked to what its grammar allows, and logs that masked distribution's
+log-probs (:mod:`srpo.policies.grammar` says why and how the trainer corrects for it).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Callable
 import torch
 
 from srpo.policies.fast_decode import fast_decoder_for
+from srpo.policies.grammar import GrammarRows
 from srpo.policies.logprobs import cache_keyword, position_ids_from_mask
 from srpo.types import GenerationRequest, Sample, SamplingParams
 
@@ -252,8 +255,11 @@ def _decode(model, tokenizer, params, rows: _Rows, next_logits, cache, decoder, 
     logps: list[list[float]] = [[] for _ in range(B)]
     reasons: list[str | None] = [None] * B
     live = list(range(B))  # the original index of each row still in the decode batch
+    grammars = GrammarRows(tokenizer, params, next_logits.shape[-1], set(eos.tolist()))
     for step in range(max(limits)):
         logits = next_logits.float()  # (b, V), b = rows still in the batch
+        if grammars:  # structured output: drawn from (and logged as) the masked distribution
+            logits = grammars.masked(logits, live)
         if not rows.unit_temp:
             logits = logits / rows.temp[:, None]
         logp = torch.log_softmax(logits, dim=-1)
@@ -270,6 +276,7 @@ def _decode(model, tokenizer, params, rows: _Rows, next_logits, cache, decoder, 
                 continue
             tokens[i].append(tok)
             logps[i].append(lp)
+            grammars.advance(i, tok)
             if params[i].on_token is not None:
                 params[i].on_token(tok)
             if ended:

@@ -51,8 +51,8 @@ fraction of *system* memory vLLM reserves for its KV cache.
 from __future__ import annotations
 
 import contextlib
-
 import itertools
+import json
 import logging
 import os
 import shutil
@@ -245,6 +245,21 @@ def cpu_cores_of_rank(env=None, cores: int | None = None) -> str:
     return f"{first}-{last}"
 
 
+def _structured(grammar):
+    """vLLM's structured-output parameters for srpo's :class:`~srpo.types.Grammar` (None: none).
+    The grammar bitmask is applied to the logits before vLLM's sampler, so the processed
+    log-probs it returns are the masked distribution's, as srpo's sampler logs them."""
+    if grammar is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from srpo.policies.grammar import lark_text
+
+    if grammar.or_call:
+        return StructuredOutputsParams(grammar=lark_text(grammar))
+    return StructuredOutputsParams(json=json.loads(grammar.schema))
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     gpu_memory_utilization: float = 0.3
@@ -304,6 +319,9 @@ class VLLMEngine:
                            gpu_memory_utilization=settings.gpu_memory_utilization,
                            max_model_len=settings.max_model_len, enable_prefix_caching=True,
                            logprobs_mode="processed_logprobs", worker_extension_cls="srpo.rollout.vllm.WeightSync",
+                           # structured output with the library srpo's sampler uses, and its JSON
+                           # without free whitespace: both engines enforce a schema alike
+                           structured_outputs_config={"backend": "guidance", "disable_any_whitespace": True},
                            **({"enable_sleep_mode": True} if settings.sleep_mode else {}),
                            **({"load_format": "dummy"} if dummy_weights else {}), **lora)
         finally:
@@ -349,7 +367,7 @@ class VLLMEngine:
             seeds = [None] * len(prompts)
         sampling = [SamplingParams(temperature=p.temperature, top_p=p.top_p, max_tokens=p.max_new_tokens,
                                    stop=list(p.stop) or None, include_stop_str_in_output=True, logprobs=0,
-                                   seed=s) for p, s in zip(params, seeds)]
+                                   seed=s, structured_outputs=_structured(p.grammar)) for p, s in zip(params, seeds)]
         lora = [self.loras[a] if a else None for a in adapters] if adapters else None
         with self._engine_alive():
             if any(p.on_token is not None for p in params):

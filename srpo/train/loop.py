@@ -139,6 +139,7 @@ class Trainer:
                                                redacted(cfg.to_dict()), keep=cfg.checkpoint.keep)
         self.best: dict[str, Any] | None = None  # the best held-out evaluation so far (eval.every)
         self.mismatch = RolloutMismatch()
+        self._warned_grammar = False  # warn_uncorrected_structured_output: once a run
         self.logger = build.metrics_logger(cfg, self.backend.rank)
 
     def close(self) -> None:
@@ -285,6 +286,7 @@ class Trainer:
             metrics.update(self.finish_overlapped_rollout(t1, t1 + t_update))
         metrics.update(episode_metrics(episodes, valid, dropped, self.totals))
         self.count_failures(metrics)
+        self.warn_uncorrected_structured_output(metrics)
         metrics.update(self.mismatch.metrics())
         metrics.update(memory.memory_metrics(self.device))
         for key, count in getattr(self.retriever, "stats", {}).items():  # a retrieval server's client
@@ -374,6 +376,17 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------------------------------
     FAILURE_KINDS = ("workflow_errors", "program_timeouts", "program_errors", "reward_errors", "reward_timeouts")
+
+    def warn_uncorrected_structured_output(self, metrics: dict[str, Any]) -> None:
+        """Once a run: replies drawn under a grammar (structured output through the gateway) log
+        the masked distribution, off-policy by the mass the mask removed — only ``train.tis_cap``
+        corrects that (docs/method.md)."""
+        if metrics.get("episodes/structured_output") and not self.cfg.train.tis_cap and not self._warned_grammar:
+            self._warned_grammar = True
+            log.warning("%d replies this step were drawn under a grammar (structured output): they are off-policy "
+                        "by the probability mass the grammar removed, which train.tis_cap corrects (set it, e.g. "
+                        "2, with train.old_logprobs: recompute; docs/method.md)",
+                        int(metrics["episodes/structured_output"]))
 
     def count_failures(self, metrics: dict[str, Any]) -> None:
         """Add the step's failed episodes (all ranks) to the run's totals; a step where more than

@@ -1,5 +1,5 @@
 """Tools through the gateway: prompts for every model, calls parsed per family, tool_choice and
-response_format honoured or refused (srpo.gateway.tools)."""
+response_format read into a grammar or refused (srpo.gateway.tools, srpo.gateway.formats)."""
 
 from __future__ import annotations
 
@@ -203,8 +203,12 @@ def test_tool_choice_none_renders_no_tools_and_required_or_named_force_a_call():
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "sometimes"}, "tool_choice"),
     ({"tool_choice": "required", "tools": None}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/$defs/gone"}}}},
+     "response_format.json_schema.schema"),
     ({"tools": [{"type": "web_search"}]}, "tools[0]"),
 ])
 def test_what_cannot_be_honoured_is_refused_naming_the_field(body, param):
@@ -214,9 +218,20 @@ def test_what_cannot_be_honoured_is_refused_naming_the_field(body, param):
     assert err.value.param == param and err.value.status == 400
 
 
-def test_response_format_text_is_accepted():
-    parse_request({"model": "s", "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "text"}},
-                  chat=True)
+def test_response_formats_become_the_grammar_the_sampler_enforces():
+    """text asks for nothing; json_object for any object; json_schema for its schema (kept whether
+    ``strict`` or not); a schema the grammar library cannot compile is a 400 saying why."""
+    def grammar(fmt):
+        return parse_request({"model": "s", "messages": [{"role": "user", "content": "hi"}],
+                              "response_format": fmt}, chat=True).grammar
+
+    assert grammar({"type": "text"}) is None
+    assert json.loads(grammar({"type": "json_object"}).schema) == {"type": "object"}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    g = grammar({"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}})
+    assert json.loads(g.schema) == schema and g.name == "answer"
+    with pytest.raises(ProtocolError, match="Invalid type: objekt"):
+        grammar({"type": "json_schema", "json_schema": {"schema": {"type": "objekt"}}})
 
 
 def test_the_shipped_template_and_the_generic_format_give_the_same_prompt():
@@ -288,7 +303,8 @@ def test_the_responses_api_streams_its_event_sequence(responses_url):
 @pytest.mark.parametrize("extra, param", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"tools": [{"type": "web_search"}]}, "tools[0]"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objekt"}}}}, "text.format.schema"),
+    ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0].type"),
     ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [FLAT_WEATHER]}, "tool_choice"),
 ])

@@ -333,3 +333,26 @@ def streams_and_tools(task, url):
         for chunk in client.chat.completions.create(model="solver", messages=messages, stream=True, **kw):
             said.extend(c.delta.content or "" for c in chunk.choices)
     return "".join(said)
+
+
+async def agents_sdk_structured(task, url, api="responses"):
+    """An agent with an ``output_type``: the SDK asks for its JSON schema (the Responses API's
+    ``text.format``, or chat's ``response_format``) and parses the reply into the type."""
+    from typing import Literal
+
+    from agents import Agent, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, set_tracing_disabled
+    from pydantic import BaseModel
+
+    class Verdict(BaseModel):
+        verdict: Literal["yes", "no"]
+
+    set_tracing_disabled(True)
+    client = AsyncOpenAI(base_url=url, api_key="unused", max_retries=0)  # this episode's own client
+    model = (OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel)("solver", client)
+    judge = Agent(name="judge", model=model, instructions="Is the number even?", output_type=Verdict)
+    result = await Runner.run(judge, task.question, max_turns=1)
+    return result.final_output.verdict
+
+
+async def agents_sdk_structured_chat(task, url):
+    return await agents_sdk_structured(task, url, api="chat_completions")

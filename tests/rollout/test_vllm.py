@@ -313,3 +313,28 @@ def test_the_engine_reports_tokens_as_it_draws_them(shared_engine):
         assert b.completion_ids == a.completion_ids == seen[i] and b.text == a.text
         assert b.finish_reason == a.finish_reason
         assert torch.allclose(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4)
+
+
+@pytest.mark.xdist_group("shared_engine")  # one worker, one engine (make test-vllm: --dist loadgroup)
+def test_structured_output_on_the_engine_logs_the_masked_distribution(shared_engine):
+    """A grammar on vLLM (its guidance backend, the library srpo's sampler uses): the reply has the
+    schema's form and its log-probs are the masked, renormalised ones (log p − log Z_t), as srpo's
+    sampler logs them — the trainer's truncated importance weight then corrects the same gap."""
+    import json
+
+    from helpers.grammar_replay import replayed
+    from srpo.types import Grammar
+
+    policies, engine = shared_engine
+    engine.update_weights()
+    tok = policies.tokenizer
+    schema = {"type": "object", "properties": {"verdict": {"enum": ["yes", "no"]}}, "required": ["verdict"],
+              "additionalProperties": False}
+    params = SamplingParams(temperature=1.0, max_new_tokens=24, grammar=Grammar(json.dumps(schema)))
+    prompts = [tok(p)["input_ids"] for p in ["Is 4 even? Answer in JSON:", "Say yes or no:"]]
+    samples = engine.generate([GenerationRequest("a", p, params) for p in prompts], torch.Generator().manual_seed(0))
+    for prompt, s in zip(prompts, samples):
+        assert json.loads(s.text)["verdict"] in ("yes", "no"), s.text
+        old, log_z = replayed(policies.model, tok, prompt, s.completion_ids, params)
+        assert torch.allclose(torch.tensor(s.logprobs), old - log_z, atol=TOL), (s.logprobs, old - log_z)
+        assert float(log_z.min()) < -0.1  # the mask removed mass the replay accounts for

@@ -1,0 +1,65 @@
+"""Structured output on the wire: ``response_format`` (chat completions) and ``text.format`` (the
+Responses API, which the Agents SDK's ``output_type`` sends) read into a :class:`srpo.types.Grammar`.
+
+``{"type": "text"}`` asks for nothing; ``json_object`` for any JSON object; ``json_schema`` for
+JSON its schema accepts — enforced by constrained decoding whether ``strict`` is true or not (a
+schema srpo was given is a schema it keeps).  A schema the grammar library cannot compile is a 400
+naming the field and saying why.  When the request also offers tools the model may call one
+instead (the grammar then allows the start of a call too: :func:`with_tool_calls`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from srpo.gateway.errors import ProtocolError
+from srpo.types import Grammar
+
+JSON_OBJECT = '{"type": "object"}'
+
+
+def response_grammar(value: Any, param: str = "response_format", *, flat: bool = False) -> Grammar | None:
+    """The grammar a ``response_format`` (``flat``: a Responses ``text.format``, whose ``name`` and
+    ``schema`` sit beside ``type``) asks for; None for plain text."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise ProtocolError(f"'{param}' must be an object with a 'type' (text, json_object or json_schema)",
+                            param=param)
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _checked(Grammar(JSON_OBJECT, "json_object"), param)
+    if kind != "json_schema":
+        raise ProtocolError(f"'{param}.type' must be text, json_object or json_schema, not {kind!r}",
+                            param=f"{param}.type")
+    spec, where = (value, param) if flat else (value.get("json_schema"), f"{param}.json_schema")
+    if not isinstance(spec, dict):
+        raise ProtocolError(f"'{where}' must be an object with the schema", param=where)
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise ProtocolError(f"'{where}.schema' must be a JSON Schema object", param=f"{where}.schema")
+    name = spec.get("name", "")
+    return _checked(Grammar(json.dumps(schema, sort_keys=True), name if isinstance(name, str) else ""),
+                    f"{where}.schema")
+
+
+def _checked(grammar: Grammar, param: str) -> Grammar:
+    from srpo.policies.grammar import compile_error
+
+    error = compile_error(grammar)
+    if error:
+        raise ProtocolError(f"'{param}': the schema cannot be enforced: {error.strip()[:500]}", param=param)
+    return grammar
+
+
+def with_tool_calls(grammar: Grammar | None, call_start: str | None) -> Grammar | None:
+    """The grammar of a request that also offers tools (``tool_choice`` auto): the answer in its
+    form, or a tool call — text that begins as a call does in the role's format (``call_start``;
+    None: the format cannot say, and only the answer is allowed)."""
+    if grammar is None or not call_start:
+        return grammar
+    return dataclasses.replace(grammar, or_call=call_start)
