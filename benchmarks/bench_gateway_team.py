@@ -5,13 +5,14 @@ rollout seconds per team token, side by side.
 
 The demo's team on the study recipe (``configs/studies/math_base.yaml``: SmolLM2-135M, two
 workers and an aggregator, 4 problems × 4 episodes a step, ≤ 24 tokens): srpo's built-in
-``parallel_aggregate`` against ``examples/openai_team.py`` (the same prompts in plain ``openai``
-calls, process isolation) trained through the gateway.  Each side trains ``--steps`` steps in a
-fresh child process, alternating, ``--rounds`` times.  Per run: the rollout's seconds per team
-token over steps 2.. (step 1 of the program side also starts its worker processes, reported on
-its own), and the ratio of the medians, gateway / built-in.  The judge reads the solvers' whole
-answers where the built-in aggregator reads their numbers, so the program side's prompts are
-longer; tokens generated are counted the same way on both sides.
+``parallel_aggregate`` against the same team as an ``openai``-client program
+(``benchmarks/gateway_team_program.py``: the built-in's roles and prompt texts, the aggregator
+reading the workers' extracted answers as the built-in's does) trained through the gateway, its
+program in worker processes (``gateway``, the default isolation) and in threads
+(``gateway_thread``).  Each side trains ``--steps`` steps in a fresh child process, alternating,
+``--rounds`` times.  Per run: the rollout's seconds per team token over steps 2.. (step 1 of a
+program side also starts its workers, reported on its own), and the ratio of the medians to the
+built-in's.
 """
 
 from __future__ import annotations
@@ -25,10 +26,16 @@ from pathlib import Path
 from _child import report, run_child  # benchmarks/_child.py: the child-process protocol
 
 ROOT = Path(__file__).resolve().parents[1]
+PROGRAM = f"{ROOT}/benchmarks/gateway_team_program.py:solve"
 SIDES = {
     "builtin": ["workflow.name=parallel_aggregate", "workflow.options={num_workers: 2}"],
+    # the built-in's roles and prompts through the gateway, its program in worker processes (the
+    # default) or in threads of the trainer's process
     "gateway": ["workflow.name=openai_agent", "workflow.roles={}",
-                f"workflow.options={{entry: '{ROOT}/examples/openai_team.py:solve', roles: [solver_1, solver_2, judge]}}"],
+                f"workflow.options={{entry: '{PROGRAM}', roles: [worker_1, worker_2, aggregator]}}"],
+    "gateway_thread": ["workflow.name=openai_agent", "workflow.roles={}",
+                       f"workflow.options={{entry: '{PROGRAM}', roles: [worker_1, worker_2, aggregator], "
+                       f"isolation: thread}}"],
 }
 
 
@@ -92,7 +99,9 @@ def main() -> None:
     print(f"\n| side | rollout ms per team token (median of {args.rounds}) |\n|---|---:|")
     for side, value in med.items():
         print(f"| {side} | {1e3 * value:.2f} |")
-    print(f"\ngateway / built-in: **{med['gateway'] / med['builtin']:.2f}×**")
+    for side in SIDES:
+        if side != "builtin":
+            print(f"{side} / built-in: **{med[side] / med['builtin']:.2f}×**")
 
 
 if __name__ == "__main__":
