@@ -434,6 +434,14 @@ class RolloutConfig(Section):
     policies samples in a background thread); q_old is recomputed and train.tis_cap corrects the
     gap; ``rollout/staleness_mean|max`` are logged every step.  (More than one rollout in flight
     needs a rollout pool of its own: not offered.)"""
+    quorum: Annotated[Float, Field(gt=0, le=1)] = 1.0
+    """Close a step once this fraction of its task groups (all group_size episodes of a task) has
+    finished, not waiting on the slowest (1: wait for all).  The other groups keep running in a
+    background thread on a copy of the policies, their next calls drawn on the updated weights,
+    and join the first later step at which they are whole; members record the version they were
+    drawn with, q_old is recomputed and train.tis_cap corrects the gap (``rollout/stragglers``,
+    ``rollout/staleness_mean|max`` logged).  One process; not with max_staleness: 1; a run with it
+    resumes without losing episodes but not bit for bit (srpo/train/quorum.py)."""
     sleep_during_update: bool = False
     """vllm on CUDA: release the engine's memory while the update runs (vLLM's sleep mode: the KV
     cache dropped; the weights dropped too for shared/separate, which the sync rewrites, or kept in
@@ -511,6 +519,10 @@ class Config(Section):
                 f"Use model.dtype: float32 with model.autocast_bf16: true (bf16 matmuls, float32 weights and "
                 f"optimizer state), or model.layout: lora (a frozen bf16 base, float32 adapters); "
                 f"train.low_precision_weights: true accepts it knowingly")
+        if r.quorum < 1 and (r.max_staleness or t.old_logprobs != "recompute"):
+            raise ValueError(f"rollout.quorum: {r.quorum} lets stragglers join later steps, drawn on older weights: "
+                             f"it needs train.old_logprobs: recompute and rollout.max_staleness: 0 (the stragglers "
+                             f"already run beside the update)")
         if self.rollout.max_staleness and r.sleep_during_update:
             raise ValueError("rollout.sleep_during_update with rollout.max_staleness: 1: the engine samples the next "
                              "batch while the update runs, so it cannot sleep then; choose one")

@@ -70,10 +70,19 @@ class Sample:
     text: str
     logprobs: list[float]
     finish_reason: str  # "eos" | "stop" | "length"
+    #: the version of the weights it was drawn with (set by the runtime as it samples: a member
+    #: records this, not the version when its episode reads the sample — weights may move between)
+    policy_version: int | None = None
 
     @property
     def truncated(self) -> bool:
         return self.finish_reason == "length"
+
+
+def drawn_version(sample: Sample, policies, policy_id: str) -> int:
+    """The version of ``policy_id``'s weights ``sample`` was drawn with (the runtime records it as
+    it samples; a sample from elsewhere: the version now)."""
+    return sample.policy_version if sample.policy_version is not None else policies.version(policy_id)
 
 
 @dataclass(frozen=True)
@@ -111,17 +120,21 @@ class EpisodeResult:
 
 
 # -- an episode in a checkpoint (a pending batch) ---------------------------------------------
+def task_to_plain(task: Task) -> dict[str, Any]:
+    return {"task_id": task.task_id, "question": task.question, "answers": list(task.answers), "kind": task.kind,
+            "source": task.source, "meta": task.meta}
+
+
+def task_from_plain(t: dict[str, Any]) -> Task:
+    return Task(t["task_id"], t["question"], tuple(t["answers"]), t["kind"], t.get("source", ""), t.get("meta", {}))
+
+
 def episodes_to_plain(episodes: list[EpisodeResult]) -> list[dict[str, Any]]:
     """Episodes as JSON-able dicts (a checkpoint's pending batch)."""
-    out = []
-    for ep in episodes:
-        task = ep.task
-        out.append({"episode_id": ep.episode_id, "answer": ep.answer, "reward": ep.reward, "info": ep.info,
-                    "transcript": ep.transcript,
-                    "task": {"task_id": task.task_id, "question": task.question, "answers": list(task.answers),
-                             "kind": task.kind, "source": task.source, "meta": task.meta},
-                    "events": [asdict(e) for e in ep.events]})  # members included, as dicts
-    return out
+    return [{"episode_id": ep.episode_id, "answer": ep.answer, "reward": ep.reward, "info": ep.info,
+             "transcript": ep.transcript, "task": task_to_plain(ep.task),
+             "events": [asdict(e) for e in ep.events]}  # members included, as dicts
+            for ep in episodes]
 
 
 def episodes_from_plain(rows: list[dict[str, Any]]) -> list[EpisodeResult]:
@@ -129,8 +142,7 @@ def episodes_from_plain(rows: list[dict[str, Any]]) -> list[EpisodeResult]:
 
     out = []
     for row in rows:
-        t = row["task"]
-        task = Task(t["task_id"], t["question"], tuple(t["answers"]), t["kind"], t.get("source", ""), t.get("meta", {}))
+        task = task_from_plain(row["task"])
         events = []
         for e in row["events"]:
             members = [Member(**m) for m in e["members"]]

@@ -33,7 +33,7 @@ from srpo.gateway.dataflow import EpisodeRecorder
 from srpo.gateway import formats, tools
 from srpo.gateway.parsers import REASONING_PARSERS, TOOL_PARSERS
 from srpo.gateway.protocol import FINISH_REASONS, Choice, CompletionRequest, ProtocolError
-from srpo.types import GenerationRequest, Grammar, RoleSpec, Sample, SamplingParams
+from srpo.types import GenerationRequest, Grammar, RoleSpec, Sample, SamplingParams, drawn_version
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ class EpisodeBackend:
         choices = []
         for s in samples:
             c = choice(s, params, req, rendered, tokenizer, spec.reasoning_parser)
-            member = Member(role=req.model, policy_id=pid, policy_version=policies.version(pid), prompt_ids=ids,
+            member = Member(role=req.model, policy_id=pid, policy_version=drawn_version(s, policies, pid), prompt_ids=ids,
                             completion_ids=s.completion_ids, action_mask=[1] * len(s.completion_ids),
                             behaviour_logprobs=s.logprobs, text=s.text, truncated=s.truncated,
                             temperature=params.temperature)

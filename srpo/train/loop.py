@@ -41,7 +41,7 @@ from srpo import build
 from srpo.runs import preemption
 from srpo.runs.checkpoint import BEST_FILE, remove_stale_temporaries
 from srpo.runs.secrets import redacted
-from srpo.config import Config
+from srpo.config import Config, ConfigError
 from srpo.data import DataCursor
 from srpo.events import validate_events
 from srpo.runs.fileio import write_text_atomic
@@ -91,6 +91,10 @@ class Trainer:
 
     def _assemble(self, cfg: Config, policies: PolicySet | None, reward_fn, allow_data_change: bool) -> None:
         """The run's parts, built from ``cfg`` once the folder is locked."""
+        if cfg.rollout.quorum < 1 and self.backend.world > 1:
+            raise ConfigError(f"rollout.quorum: {cfg.rollout.quorum} runs in one process; under torchrun "
+                              f"({self.backend.world} ranks) each rank would close its steps on a quorum of its own "
+                              f"— set rollout.quorum: 1")
         self.method = build.method(cfg)
         self._seed_everything(cfg.run.seed)
         self.train_tasks = build.train_tasks(cfg)
@@ -124,13 +128,20 @@ class Trainer:
         self.rollout_generator = torch.Generator().manual_seed(cfg.run.seed * 1000 + self.backend.rank)
         self.runtime = build.runtime(cfg, team, self.engine, self.rollout_generator, reward_fn)
         # rollout.max_staleness: 1 — the next step's rollout runs on a copy while this step updates.
-        self.overlap = None
+        self.overlap = self.quorum = None
+
+        def make_runtime(policies, engine):  # a rollout copy's runtime (overlapped or quorum rollouts)
+            return build.runtime(cfg, build.Team(self.workflow, self.role_specs, policies, self.retriever), engine,
+                                 self.rollout_generator, reward_fn)
+
         if cfg.rollout.max_staleness:
             from srpo.train.overlap import OverlappedRollout
 
-            self.overlap = OverlappedRollout(self.policies, lambda policies, engine: build.runtime(
-                cfg, build.Team(self.workflow, self.role_specs, policies, self.retriever), engine,
-                self.rollout_generator, reward_fn), self.engine)
+            self.overlap = OverlappedRollout(self.policies, make_runtime, self.engine)
+        if cfg.rollout.quorum < 1:
+            from srpo.train.quorum import QuorumRollout
+
+            self.quorum = QuorumRollout(self.policies, make_runtime, self.engine, cfg.rollout.quorum)
         self.target_steps = cfg.run.steps
         self.step = 0
         self.data = DataCursor(self.train_tasks, cfg.run.seed)
@@ -144,6 +155,8 @@ class Trainer:
 
     def close(self) -> None:
         """Release the run folder (the lock), the engine and the logs; the trainer can still be read."""
+        if self.quorum is not None:  # its stragglers are abandoned (the last checkpoint holds their jobs)
+            self.quorum.close()
         self.logger.close()
         self.engine.close()
         self.lock.release()
@@ -166,6 +179,8 @@ class Trainer:
         if self.overlap is not None:  # each rank's next batch, sampled before the checkpoint
             parts["overlap"] = PerRank(self.overlap, self.backend, fresh={"pending": None},
                                        what="the next step's batches")
+        if self.quorum is not None:  # the stragglers: finished episodes not yet trained on, jobs still running
+            parts["quorum"] = self.quorum
         if hasattr(self.engine, "state_dict"):  # an engine with state of its own (vLLM: its sync count)
             parts["engine"] = self.engine
         return parts
@@ -183,6 +198,8 @@ class Trainer:
             self.engine.update_weights()  # a rollout engine samples from the resumed weights
             if self.overlap is not None:  # ... and so does the rollout copy (or: its recorded version)
                 self.overlap.sync(self.policies)
+            if self.quorum is not None:
+                self.quorum.sync(self.policies)
         self.logger.truncate_after(self.step)
         self.claimed = True
         return resumed is not None
@@ -245,6 +262,14 @@ class Trainer:
         both = max(0.0, min(end, update_end) - max(start, update_start)) if ran else 0.0
         return {"time/rollout_wait_s": waited, "time/overlap_s": both}
 
+    def quorum_rollout(self) -> tuple[list[EpisodeResult], int]:
+        """This step's jobs started beside the stragglers still running; the whole groups once a
+        quorum of this step's groups is whole, and how many groups are still running."""
+        if not self.quorum.started:
+            self.quorum.start(self.workflow, self.autocast())
+        groups = self.quorum.submit(self.jobs(self.next_tasks(), self.step))
+        return self.quorum.take(groups)
+
     # -- 5. update (srpo.train.update) ---------------------------------------------------------------
     def recompute_old_logprobs(self, events) -> None:
         self.updater.recompute_old_logprobs(events, self.mismatch)
@@ -256,8 +281,12 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         self.backend.check_ranks(self.cfg.run.collective_timeout_s)  # a lost rank is named here, not waited for
         t0 = time.perf_counter()
+        stragglers = None
         try:
-            episodes = self.rollout(self.next_tasks()) if self.overlap is None else self.overlapped_rollout()
+            if self.quorum is not None:
+                episodes, stragglers = self.quorum_rollout()
+            else:
+                episodes = self.rollout(self.next_tasks()) if self.overlap is None else self.overlapped_rollout()
         except EngineDied as err:  # nothing can be sampled: stop, naming what is safe to resume from
             from srpo.runs.checkpoint import candidates
 
@@ -280,6 +309,9 @@ class Trainer:
                 self.recompute_old_logprobs(needed)
         metrics = self.update(loss_events)
         t_update = time.perf_counter() - t1
+        if self.quorum is not None:  # the stragglers' next calls sample on the updated weights
+            self.quorum.sync(self.policies)
+            metrics["rollout/stragglers"] = stragglers
         metrics["rollout/staleness_mean"] = sum(staleness) / len(staleness) if staleness else 0.0
         metrics["rollout/staleness_max"] = max(staleness, default=0)
         if self.overlap is not None:

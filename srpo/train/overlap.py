@@ -64,6 +64,30 @@ class SamplerView:
         return getattr(self._policies, name)
 
 
+def rollout_copy(policies, engine=None):
+    """What a rollout that runs beside the update samples from: ``(policies, engine,
+    copies_weights)``.  The built-in sampler reads the trainer's weights, so it gets a frozen copy
+    of them and a sampler of its own; an engine that holds its own weights (vLLM) is used as it is,
+    the policies seen through a :class:`SamplerView` at the engine's versions."""
+    if engine is not None and engine.capabilities.holds_own_weights:
+        return SamplerView(policies), engine, False
+    frozen = copy.deepcopy(policies)  # the weights rollouts sample from, a version behind
+    for module in frozen.modules():
+        module.eval()
+        for p in module.parameters():
+            p.requires_grad_(False)
+    return frozen, BuiltinEngine(frozen), True
+
+
+def copy_weights(rollout_policies, policies, copies_weights: bool) -> None:
+    """The rollout's policies take ``policies``' weights (when they are a copy) and versions."""
+    if copies_weights:
+        with torch.no_grad():
+            for src, dst in zip(policies.modules(), rollout_policies.modules()):
+                dst.load_state_dict(src.state_dict())  # copies in place: the copy stays frozen
+    rollout_policies.versions = dict(policies.versions)
+
+
 class OverlappedRollout:
     """A rollout copy of ``policies`` with its own runtime (``make_runtime(policies, engine)``),
     run in a background thread: :meth:`start`, then :meth:`wait`, then :meth:`sync`.
@@ -74,16 +98,7 @@ class OverlappedRollout:
     (its ``update_weights``, called by the trainer), and :meth:`sync` records their version."""
 
     def __init__(self, policies, make_runtime, engine=None):
-        self.copies_weights = engine is None or not engine.capabilities.holds_own_weights
-        if self.copies_weights:
-            self.policies = copy.deepcopy(policies)  # the weights rollouts sample from, one version behind
-            for module in self.policies.modules():
-                module.eval()
-                for p in module.parameters():
-                    p.requires_grad_(False)
-            engine = BuiltinEngine(self.policies)
-        else:
-            self.policies = SamplerView(policies)
+        self.policies, engine, self.copies_weights = rollout_copy(policies, engine)
         self.runtime = make_runtime(self.policies, engine)
         self._thread: threading.Thread | None = None
         self._result: list[EpisodeResult] | None = None
@@ -154,8 +169,4 @@ class OverlappedRollout:
         ``update_weights``) before the next rollout starts."""
         if self._thread is not None:
             raise RuntimeError("the rollout copy is in use")
-        if self.copies_weights:
-            with torch.no_grad():
-                for src, dst in zip(policies.modules(), self.policies.modules()):
-                    dst.load_state_dict(src.state_dict())  # copies in place: the copy stays frozen
-        self.policies.versions = dict(policies.versions)
+        copy_weights(self.policies, policies, self.copies_weights)

@@ -18,7 +18,12 @@ An episode whose program runs outside the runtime (the OpenAI-compatible gateway
 :mod:`srpo.workflows.openai_agent`) may have several requests in flight; it counts as waiting once
 one is pending.  Such a workflow sets ``batch_window_s`` (gather the calls a program sends from
 several threads into one batch) and ``max_batch_wait_s`` (do not hold waiting episodes longer for
-one whose program is busy elsewhere).
+one whose program is busy elsewhere).  An episode whose reward is being computed asks nothing
+more and holds no batch.
+
+:meth:`Runtime.serve` runs episodes as they arrive (``rollout.quorum``): there a waiting request
+is held at most ``SERVING_MAX_WAIT_S`` for episodes busy elsewhere, so a straggler that sleeps
+does not hold the rest.
 """
 
 from __future__ import annotations
@@ -38,9 +43,13 @@ import torch
 from srpo.events import Event, Member
 from srpo.policies.layouts import PolicySet
 from srpo.tasks.base import Task
-from srpo.types import EpisodeResult, GenerationRequest, RoleSpec, Sample
+from srpo.types import EpisodeResult, GenerationRequest, RoleSpec, Sample, drawn_version
 
 log = logging.getLogger(__name__)
+
+# Serving (rollout.quorum): the longest a waiting episode's request is held for episodes that are
+# busy elsewhere — lockstep batching would let one sleeping straggler hold every other episode.
+SERVING_MAX_WAIT_S = 0.05
 
 
 @dataclass
@@ -125,7 +134,7 @@ class EpisodeContext:
             policies = self.runtime.policies
             pid = policies.policy_of(req.role)
             event.members.append(Member(
-                role=req.role, policy_id=pid, policy_version=policies.version(pid), prompt_ids=req.prompt_ids,
+                role=req.role, policy_id=pid, policy_version=drawn_version(s, policies, pid), prompt_ids=req.prompt_ids,
                 completion_ids=s.completion_ids, action_mask=[1] * len(s.completion_ids),
                 behaviour_logprobs=s.logprobs, member_index=j, text=s.text, truncated=s.truncated,
                 temperature=req.params.temperature,
@@ -301,7 +310,7 @@ class Runtime:
         """Done-callback of every episode task — it runs even for a task cancelled before it
         started, whose coroutine never reaches its ``finally``."""
         self._active -= 1
-        if self._active == 0:
+        if self._active == 0 and not self._serving:
             self._closing = True
             self._wake.set()
         else:
@@ -334,7 +343,8 @@ class Runtime:
                     chunk = pending[start:start + self.max_batch]
                     samples = self.engine.generate([r for r, _ in chunk], self.generator)
                     self.generate_calls.append(len(chunk))
-                    for (_, fut), s in zip(chunk, samples):
+                    for (r, fut), s in zip(chunk, samples):
+                        s.policy_version = self.policies.version(self.policies.policy_of(r.role))
                         if not fut.done():  # its episode may have been cancelled during the call
                             fut.set_result(s)
             except BaseException as err:  # a broken model is fatal for the batch: tell every waiter
@@ -367,7 +377,11 @@ class Runtime:
         try:
             if failed:
                 raise WorkflowError("the workflow raised; see the first workflow failure")
-            reward = float(ctx.reward if ctx.reward is not None else await self._reward(task, answer))
+            reward = ctx.reward
+            if reward is None:
+                async with self.outside_generation():  # a slow reward holds no other episode's batch
+                    reward = await self._reward(task, answer)
+            reward = float(reward)
             if not math.isfinite(reward):  # NaN or ±inf would reach the advantages, the loss and the logs
                 raise ValueError(f"reward function returned {reward}")
         except asyncio.TimeoutError:
@@ -393,11 +407,13 @@ class Runtime:
         future = in_daemon_thread("srpo-reward", self.reward_fn, task, answer)
         return await asyncio.wait_for(asyncio.wrap_future(future), timeout=self.reward_timeout_s)
 
-    async def _run_all(self, workflow, jobs: Sequence[tuple[str, Task]]) -> list[EpisodeResult]:
+    def _open(self, workflow, jobs: Sequence[tuple[str, Task]], serving: bool = False) -> None:
+        """The batching state of one run (``serving``: episodes keep arriving, :meth:`serve`)."""
         self._pending: list[tuple[tuple[int, int, int], GenerationRequest, asyncio.Future]] = []
         self._order = {eid: i for i, (eid, _) in enumerate(jobs)}  # episode id → its place in the run
         self._calls: dict[int, int] = {}  # generate() calls made by each episode so far
         self._active = len(jobs)
+        self._serving = serving
         self._outside = 0  # live episodes waiting on something other than generation
         self._waiting: set = set()  # episodes (ids) with at least one pending request
         self._closing = False
@@ -405,8 +421,13 @@ class Runtime:
         # window to gather an episode's parallel calls and the longest a batch waits for slow programs.
         self._window_s = float(getattr(workflow, "batch_window_s", 0.0) or 0.0)
         self._max_wait_s = getattr(workflow, "max_batch_wait_s", None)
+        if serving:  # episodes come and go at any time: one that sleeps (a tool, a retry) holds no batch long
+            self._max_wait_s = min(self._max_wait_s or SERVING_MAX_WAIT_S, SERVING_MAX_WAIT_S)
         self._timer = None
         self._wake = asyncio.Event()
+
+    async def _run_all(self, workflow, jobs: Sequence[tuple[str, Task]]) -> list[EpisodeResult]:
+        self._open(workflow, jobs)
         batcher = asyncio.create_task(self._batcher())
         episodes = []
         for eid, t in jobs:
@@ -430,3 +451,35 @@ class Runtime:
         if not jobs:
             return []
         return asyncio.run(self._run_all(workflow, jobs))
+
+    async def serve(self, workflow, inbox: asyncio.Queue, on_done: Callable[[str, Any], None]) -> None:
+        """Run episodes as they arrive: ``(episode_id, task)`` items of ``inbox`` (None: take no
+        more, finish the live ones, return); ``on_done(episode_id, outcome)`` as each ends — its
+        :class:`EpisodeResult`, the exception that stopped it (a fatal one: the run's data cannot
+        be trusted), or None when it was cancelled.  Batching is :meth:`run`'s, over the episodes live at the time
+        (:class:`srpo.train.quorum.QuorumRollout` runs it in a thread of its own)."""
+        self._open(workflow, [], serving=True)
+        batcher = asyncio.create_task(self._batcher())
+        live: set[asyncio.Task] = set()
+
+        def finished(eid: str, task: asyncio.Task) -> None:
+            live.discard(task)
+            self._episode_done(task)
+            on_done(eid, None if task.cancelled() else (task.exception() or task.result()))
+
+        try:
+            while (job := await inbox.get()) is not None:
+                eid, t = job
+                self._order.setdefault(eid, len(self._order))
+                self._active += 1
+                task = asyncio.create_task(self._episode(workflow, eid, t))
+                task.add_done_callback(lambda done, eid=eid: finished(eid, done))
+                live.add(task)
+            if live:
+                await asyncio.wait(set(live))
+        finally:
+            for task in list(live):
+                task.cancel()
+            self._closing = True
+            self._wake.set()
+            await batcher
