@@ -110,7 +110,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--quorums", default="1,0.75,0.5", help="comma-separated rollout.quorum values, alternated")
     parser.add_argument("--tail-p", type=float, default=1 / 8, help="the fraction of episodes that are slow")
-    parser.add_argument("--tail-s", type=float, default=30.0, help="how long a slow episode's reward sleeps")
+    parser.add_argument("--tail-s", type=float, default=12.0, help="how long a slow episode's reward sleeps")
     parser.add_argument("--tis-cap", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=0, help="the slow draws' stream")
     parser.add_argument("-k", type=int, default=4)

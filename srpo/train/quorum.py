@@ -98,8 +98,8 @@ class QuorumRollout:
         self._send(list(self._running.values()))
 
     def _send(self, jobs) -> None:
-        for job in jobs:
-            self._loop.call_soon_threadsafe(self._inbox.put_nowait, job)
+        if jobs:  # one item: the service starts them together, so their first requests share a batch
+            self._loop.call_soon_threadsafe(self._inbox.put_nowait, list(jobs))
 
     def _done(self, episode_id: str, outcome) -> None:
         """An episode ended (in the service thread): its result joins its group."""

@@ -453,8 +453,8 @@ class Runtime:
         return asyncio.run(self._run_all(workflow, jobs))
 
     async def serve(self, workflow, inbox: asyncio.Queue, on_done: Callable[[str, Any], None]) -> None:
-        """Run episodes as they arrive: ``(episode_id, task)`` items of ``inbox`` (None: take no
-        more, finish the live ones, return); ``on_done(episode_id, outcome)`` as each ends — its
+        """Run episodes as they arrive: each item of ``inbox`` a list of ``(episode_id, task)``
+        jobs (None: take no more, finish the live ones, return); ``on_done(episode_id, outcome)`` as each ends — its
         :class:`EpisodeResult`, the exception that stopped it (a fatal one: the run's data cannot
         be trusted), or None when it was cancelled.  Batching is :meth:`run`'s, over the episodes live at the time
         (:class:`srpo.train.quorum.QuorumRollout` runs it in a thread of its own)."""
@@ -468,13 +468,13 @@ class Runtime:
             on_done(eid, None if task.cancelled() else (task.exception() or task.result()))
 
         try:
-            while (job := await inbox.get()) is not None:
-                eid, t = job
-                self._order.setdefault(eid, len(self._order))
-                self._active += 1
-                task = asyncio.create_task(self._episode(workflow, eid, t))
-                task.add_done_callback(lambda done, eid=eid: finished(eid, done))
-                live.add(task)
+            while (jobs := await inbox.get()) is not None:
+                for eid, t in jobs:  # all started before any runs: their first requests share a batch
+                    self._order.setdefault(eid, len(self._order))
+                    self._active += 1
+                    task = asyncio.create_task(self._episode(workflow, eid, t))
+                    task.add_done_callback(lambda done, eid=eid: finished(eid, done))
+                    live.add(task)
             if live:
                 await asyncio.wait(set(live))
         finally:
