@@ -6,7 +6,7 @@ STAMP       := $(VENV)/.installed
 TORCH       := torch==2.13.0
 CONSTRAINTS := constraints.txt
 
-.PHONY: test test-fast demo setup clean lock wheel-check test-vllm gpu-check gpu-bundle docs
+.PHONY: test test-fast demo setup clean lock wheel-check test-vllm gpu-check gpu-bench gpu-bundle docs
 
 setup: $(STAMP)
 
@@ -102,15 +102,25 @@ test-vllm: $(VLLM_STAMP)
 # download — the GPU machine lent to this project — gets them from the wheels `make gpu-bundle`
 # put in .whl/ (installed offline into /tmp/srpo-site, nothing else touched).
 GPU_SITE := /tmp/srpo-site
-gpu-check:
+define gpu_site
 	@if ! python3 -c "import pydantic" 2>/dev/null; then \
 	  if ls .whl/*.whl >/dev/null 2>&1; then \
-	    echo "gpu-check: installing the bundled wheels (.whl/) into $(GPU_SITE)"; \
+	    echo "$@: installing the bundled wheels (.whl/) into $(GPU_SITE)"; \
 	    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 	      --target $(GPU_SITE) .whl/*.whl || exit 1; \
-	  else echo "gpu-check: pydantic is missing and there is no .whl/ bundle (make gpu-bundle where pip works)"; exit 2; fi; \
-	fi; \
+	  else echo "$@: pydantic is missing and there is no .whl/ bundle (make gpu-bundle where pip works)"; exit 2; fi; \
+	fi
+endef
+
+gpu-check:
+	$(gpu_site)
 	PYTHONPATH=$(GPU_SITE):$$PYTHONPATH python3 scripts/gpu_check.py $(GPU_CHECK_ARGS)
+
+# srpo's SRPO step against TRL's GRPOTrainer on one GPU, random-weight Qwen3-0.6B and -4B shapes
+# (scripts/gpu_bench.py; ~6-8 minutes on an H200, estimated); TRL travels in the same bundle.
+gpu-bench:
+	$(gpu_site)
+	PYTHONPATH=$(GPU_SITE):$$PYTHONPATH python3 scripts/gpu_bench.py $(GPU_BENCH_ARGS)
 
 # The wheels gpu-check needs on a machine that has torch, transformers, peft and accelerate but
 # not srpo's other pure-Python dependencies: pydantic (with its compiled core, for that machine's
@@ -118,7 +128,7 @@ gpu-check:
 # with the working tree (name .whl in the device tool's carry).
 GPU_PY     ?= 3.12
 GPU_WHEELS := pydantic pydantic-core annotated-types typing-inspection math-verify latex2sympy2_extended \
-              antlr4-python3-runtime
+              antlr4-python3-runtime trl==1.16.0 datasets dill multiprocess
 gpu-bundle: $(STAMP)
 	rm -rf .whl && mkdir -p .whl
 	$(BIN)/pip download -q --no-deps --only-binary=:all: -c $(CONSTRAINTS) --python-version $(GPU_PY) \
