@@ -9,7 +9,9 @@ workers and an aggregator, 4 problems × 4 episodes a step, ≤ 24 tokens): srpo
 (``benchmarks/gateway_team_program.py``: the built-in's roles and prompt texts, the aggregator
 reading the workers' extracted answers as the built-in's does) trained through the gateway, its
 program in worker processes (``gateway``, the default isolation) and in threads
-(``gateway_thread``).  Each side trains ``--steps`` steps in a fresh child process, alternating,
+(``gateway_thread``), each also with the program keeping one ``OpenAI`` client per process
+(``*_shared_client``: building a client per episode costs about 20 ms of CPU, its SSL context —
+the program's own cost, not the gateway's).  Each side trains ``--steps`` steps in a fresh child process, alternating,
 ``--rounds`` times.  Per run: the rollout's seconds per team token over steps 2.. (step 1 of a
 program side also starts its workers, reported on its own), and the ratio of the medians to the
 built-in's.
@@ -36,6 +38,13 @@ SIDES = {
     "gateway_thread": ["workflow.name=openai_agent", "workflow.roles={}",
                        f"workflow.options={{entry: '{PROGRAM}', roles: [worker_1, worker_2, aggregator], "
                        f"isolation: thread}}"],
+    # the same program keeping one client per process (building one costs ~20 ms of CPU)
+    "gateway_shared_client": ["workflow.name=openai_agent", "workflow.roles={}",
+                              f"workflow.options={{entry: '{PROGRAM}_shared_client', "
+                              f"roles: [worker_1, worker_2, aggregator]}}"],
+    "gateway_thread_shared_client": ["workflow.name=openai_agent", "workflow.roles={}",
+                                     f"workflow.options={{entry: '{PROGRAM}_shared_client', "
+                                     f"roles: [worker_1, worker_2, aggregator], isolation: thread}}"],
 }
 
 

@@ -20,8 +20,23 @@ def _answer_of(text: str) -> str:
 
 
 def solve(task, base_url: str) -> str:
-    client = OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    """The team with a client built for each episode, as most programs are written."""
+    return _team(task, OpenAI(base_url=base_url, api_key="unused", max_retries=0))
 
+
+_CLIENT: OpenAI | None = None
+
+
+def solve_shared_client(task, base_url: str) -> str:
+    """The same team with one client per process, pointed at each episode's URL by
+    ``with_options`` (about 50 µs, against about 20 ms of CPU to build a client: its SSL context)."""
+    global _CLIENT
+    if _CLIENT is None:
+        _CLIENT = OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    return _team(task, _CLIENT.with_options(base_url=base_url))
+
+
+def _team(task, client: OpenAI) -> str:
     def ask(model: str, content: str) -> str:
         reply = client.chat.completions.create(
             model=model, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}])
