@@ -44,6 +44,7 @@ class CompletionRequest:
     stop: tuple[str, ...] | None = None
     n: int = 1
     stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage, as OpenAI sends
     tools: list[dict[str, Any]] | None = None
     tool_choice: str = "auto"  # none | auto | required | a function's name (srpo.gateway.tools.tool_choice)
     event_tag: str | None = None  # x-srpo-event header or extra_body srpo_event: the set this output joins
@@ -183,8 +184,14 @@ def parse_request(body: Any, *, chat: bool, headers: dict[str, str] | None = Non
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ProtocolError("'stream' must be true or false", param="stream")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or not stream):
+        raise ProtocolError("'stream_options' must be an object, and only with 'stream': true", param="stream_options")
+    include_usage = (options or {}).get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise ProtocolError("'stream_options.include_usage' must be true or false", param="stream_options.include_usage")
     req = CompletionRequest(
-        model=model, temperature=_number(body, "temperature", 0.0, 2.0),
+        model=model, temperature=_number(body, "temperature", 0.0, 2.0), include_usage=include_usage,
         top_p=_number(body, "top_p", 0.0, 1.0, low_open=True), max_tokens=max_tokens, stop=_stop(body),
         n=_integer(body, "n", 1, MAX_CHOICES) or 1, stream=stream, event_tag=_tag(body, headers or {}),
     )
@@ -215,7 +222,7 @@ def parse_request(body: Any, *, chat: bool, headers: dict[str, str] | None = Non
 
 
 # -- responses ----------------------------------------------------------------------------------
-def _usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:
+def usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:
     completion = sum(c.completion_tokens for c in choices)
     return {"prompt_tokens": prompt_tokens * len(choices), "completion_tokens": completion,
             "total_tokens": prompt_tokens * len(choices) + completion}
@@ -226,14 +233,14 @@ def response(req: CompletionRequest, choices: list[Choice], prompt_tokens: int) 
     created = int(time.time())
     if req.chat:
         return {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": created,
-                "model": req.model, "system_fingerprint": None, "usage": _usage(prompt_tokens, choices),
+                "model": req.model, "system_fingerprint": None, "usage": usage(prompt_tokens, choices),
                 "choices": [{"index": i, "logprobs": None, "finish_reason": c.finish_reason,
                              "message": {"role": "assistant", "content": c.text if c.text or not c.tool_calls else None,
                                          **({"reasoning_content": c.reasoning} if c.reasoning else {}),
                                          **({"tool_calls": c.tool_calls} if c.tool_calls else {})}}
                             for i, c in enumerate(choices)]}
     return {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": created,
-            "model": req.model, "usage": _usage(prompt_tokens, choices),
+            "model": req.model, "usage": usage(prompt_tokens, choices),
             "choices": [{"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
                         for i, c in enumerate(choices)]}
 

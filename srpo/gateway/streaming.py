@@ -42,7 +42,7 @@ from typing import Any, AsyncIterator
 
 from srpo.gateway import anthropic, responses, tools
 from srpo.gateway.parsers import TOOL_PARSERS, Reading
-from srpo.gateway.protocol import Choice, CompletionRequest, error_body
+from srpo.gateway.protocol import Choice, CompletionRequest, error_body, usage
 
 log = logging.getLogger(__name__)
 
@@ -300,13 +300,16 @@ async def chat_chunks(req: CompletionRequest, first, queue, task, streams) -> As
     if error is not None:
         yield _sse(error)
         return
-    choices, _ = result
+    choices, prompt_tokens = result
     for index, c in enumerate(choices):
         if req.chat and index not in opened:
             yield chunk(index, role=True)
         for delta in streams[index].finish(c):
             yield chunk(index, delta)
         yield chunk(index, finish=c.finish_reason)
+    if req.include_usage:  # stream_options.include_usage: one more chunk, no choices, the request's usage
+        yield _sse({"id": rid, "object": kind, "created": created, "model": req.model, "choices": [],
+                    "usage": usage(prompt_tokens, choices)})
     yield "data: [DONE]\n\n"
 
 

@@ -104,6 +104,22 @@ def test_chat_and_completions_stream_token_by_token(served):
     assert "".join(parts) == text and sum(bool(p) for p in parts) > 1
 
 
+def test_a_stream_ends_with_its_usage_when_asked_as_openai_sends_it(served):
+    """stream_options.include_usage: one last chunk with no choices and the request's usage — the
+    same figures as the unstreamed reply's; refused without stream."""
+    client, _ = served
+    messages = [{"role": "user", "content": "Count:"}]
+    whole = client.chat.completions.create(model="solver", messages=messages)
+    chunks = list(client.chat.completions.create(model="solver", messages=messages, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    assert all(c.usage is None for c in chunks[:-1])
+    plain = list(client.chat.completions.create(model="solver", messages=messages, stream=True))
+    assert all(c.usage is None for c in plain) and plain[-1].choices
+    with pytest.raises(openai.BadRequestError, match="stream_options"):
+        client.chat.completions.create(model="solver", messages=messages, stream_options={"include_usage": True})
+
+
 def test_the_responses_api_streams_token_by_token(served):
     client, _ = served
     whole = client.responses.create(model="solver", input="Count:").output_text

@@ -1,0 +1,132 @@
+"""Benchmark 22: ``srpo serve`` under concurrent clients — throughput, time to first token and
+latency at 1, 8 and 32 clients, with srpo's own engine.
+
+``srpo serve`` runs as users start it (its own process, ``--threads``): the demo's team
+(SmolLM2-135M, ``parallel_aggregate`` with 2 workers) served by role.  Each of C clients (the
+``openai`` package's async client, streaming) sends requests back to back, ``--requests-per-client``
+each, alternating the roles ``worker_1`` and ``aggregator``, 64-token replies at temperature 1 to a
+prompt that asks for a long answer.  Reported per C: completion tokens per second over the wall
+time, the median time to the first content delta, and the p50 / p99 time to the whole reply.
+
+    python benchmarks/bench_serve.py --clients 1,8,32
+
+srpo's engine batches the requests waiting when a batch starts (a 10 ms window); a request that
+arrives while a batch generates waits for it to end (static batching): its time to first token
+includes the rest of that batch.  The comparison with vLLM's engine and vLLM's own server
+(``--engine vllm``, ``vllm serve``) needs ``.venv-vllm`` and is not part of this script yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "Write a long story about a lighthouse keeper and the sea."
+ROLES = ("worker_1", "aggregator")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(port: int, threads: int, engine: str) -> subprocess.Popen:
+    """``srpo serve`` on the demo's team, waited for until it answers ``/v1/models``."""
+    import urllib.request
+
+    cmd = [sys.executable, "-m", "srpo.apps.cli", "serve", "--model", "smollm2-135m", "--workflow",
+           "parallel_aggregate", "--options", json.dumps({"num_workers": 2}), "--port", str(port),
+           "--threads", str(threads), "--engine", engine]
+    server = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"srpo serve exited ({server.returncode}):\n{server.stderr.read()[-3000:]}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).read()
+            return server
+        except OSError:
+            time.sleep(0.5)
+    server.kill()
+    raise SystemExit("srpo serve did not answer within 300 s")
+
+
+async def one_request(client, role: str, tokens: int) -> dict:
+    start = time.perf_counter()
+    first, count = None, 0
+    stream = await client.chat.completions.create(model=role, messages=[{"role": "user", "content": PROMPT}],
+                                                  max_tokens=tokens, temperature=1.0, stream=True,
+                                                  stream_options={"include_usage": True})
+    async for chunk in stream:
+        if first is None and chunk.choices and chunk.choices[0].delta.content:
+            first = time.perf_counter() - start
+        if chunk.usage is not None:
+            count = chunk.usage.completion_tokens
+    return {"ttft_s": first if first is not None else time.perf_counter() - start,
+            "latency_s": time.perf_counter() - start, "tokens": count}
+
+
+async def load(port: int, clients: int, per_client: int, tokens: int) -> dict:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=600)
+
+    async def user(i: int) -> list[dict]:
+        return [await one_request(client, ROLES[(i + j) % 2], tokens) for j in range(per_client)]
+
+    start = time.perf_counter()
+    done = [r for rs in await asyncio.gather(*(user(i) for i in range(clients))) for r in rs]
+    wall = time.perf_counter() - start
+    await client.close()
+    latencies = sorted(r["latency_s"] for r in done)
+    p99 = latencies[min(len(latencies) - 1, round(0.99 * (len(latencies) - 1)))]
+    return {"clients": clients, "requests": len(done), "wall_s": wall,
+            "tokens_per_s": sum(r["tokens"] for r in done) / wall, "mean_tokens": statistics.mean(r["tokens"] for r in done),
+            "ttft_p50_s": statistics.median(r["ttft_s"] for r in done),
+            "latency_p50_s": statistics.median(latencies), "latency_p99_s": p99}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--clients", default="1,8,32")
+    ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--engine", default="builtin")
+    ap.add_argument("--out", default="runs/bench_serve.json")
+    args = ap.parse_args()
+    port = free_port()
+    server = start_server(port, args.threads, args.engine)
+    try:
+        asyncio.run(load(port, 1, 1, 4))  # warm-up
+        rows = []
+        for c in map(int, args.clients.split(",")):
+            rows.append(asyncio.run(load(port, c, args.requests_per_client, args.tokens)))
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"engine": args.engine, "rows": rows}, indent=1))
+    print(f"\nengine {args.engine}, {args.tokens}-token replies, server threads {args.threads}\n")
+    print("| clients | requests | completion tokens/s | mean reply tokens | first token p50 (s) | latency p50 (s) | "
+          "latency p99 (s) |\n|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['clients']} | {r['requests']} | {r['tokens_per_s']:.1f} | {r['mean_tokens']:.1f} | "
+              f"{r['ttft_p50_s']:.2f} | {r['latency_p50_s']:.2f} | {r['latency_p99_s']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
