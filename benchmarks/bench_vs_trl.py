@@ -26,9 +26,9 @@ import json
 import os
 import statistics
 import tempfile
-import time
 
 from _child import report, run_child  # benchmarks/_child.py: the child-process protocol
+from _trl import step_timer
 
 PROMPTS_PER_STEP, SAMPLES, MAX_NEW, LR, SEED = 2, 8, 64, 1e-5, 0
 # The kernels that do a step's arithmetic (weight matmuls, fused attention): their own (self) time.
@@ -113,7 +113,7 @@ def run_trl(steps: int, threads: int) -> dict:
 
     torch.set_num_threads(threads)
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from srpo.build import config_from_dict, train_tasks
@@ -143,17 +143,7 @@ def run_trl(steps: int, threads: int) -> dict:
         rewards.append(sum(scores) / len(scores))
         return scores
 
-    class Timer(TrainerCallback):
-        def __init__(self):
-            self.times, self.t = [], None
-
-        def on_step_begin(self, *a, **k):
-            self.t = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            self.times.append(time.perf_counter() - self.t)
-
-    timer = Timer()
+    timer = step_timer()
     args = GRPOConfig(
         output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=True, per_device_train_batch_size=PROMPTS_PER_STEP * SAMPLES,
         num_generations=SAMPLES, max_completion_length=MAX_NEW, learning_rate=LR, loss_type="grpo", max_steps=steps,

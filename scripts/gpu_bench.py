@@ -43,6 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from _child import report, run_child  # noqa: E402 — benchmarks/_child.py: the child-process protocol
+from _trl import step_timer  # noqa: E402
 
 SHAPES = {
     "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
@@ -153,7 +154,7 @@ def run_srpo(args, path: Path) -> dict:
 def run_trl(args, path: Path) -> dict:
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": q}]} for q in prompts(args.prompts * args.steps)])
@@ -175,17 +176,7 @@ def run_trl(args, path: Path) -> dict:
             tokens.append(sum(len(c) for c in completion_ids))
         return [reward_of(c[0]["content"]) for c in completions]
 
-    class Timer(TrainerCallback):
-        def __init__(self):
-            self.times, self.t = [], None
-
-        def on_step_begin(self, *a, **k):
-            self.t = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            self.times.append(time.perf_counter() - self.t)
-
-    timer = Timer()
+    timer = step_timer()
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(), use_cpu=args.device == "cpu", bf16=True, max_steps=args.steps,
         per_device_train_batch_size=args.prompts * args.group, num_generations=args.group,
