@@ -1,19 +1,23 @@
 """Benchmark 22: ``srpo serve`` under concurrent clients — throughput, time to first token and
-latency at 1, 8 and 32 clients, with srpo's own engine.
+latency at 1, 8 and 32 clients — with srpo's own engine, with ``--engine vllm``, and beside vLLM's
+own OpenAI server on the same requests.
 
-``srpo serve`` runs as users start it (its own process, ``--threads``): the demo's team
-(SmolLM2-135M, ``parallel_aggregate`` with 2 workers) served by role.  Each of C clients (the
+Each server runs as users start it (its own process): the demo's team (SmolLM2-135M,
+``parallel_aggregate`` with 2 workers) served by role with ``srpo serve`` (``srpo-builtin``: srpo's
+engine at ``--threads``; ``srpo-vllm``: ``--engine vllm``, from ``.venv-vllm``), and ``vllm serve``
+on the same model folder (``vllm-serve``, from ``.venv-vllm``; the requests then carry the roles'
+system prompt themselves, as srpo adds it).  Each of C clients (the
 ``openai`` package's async client, streaming) sends requests back to back, ``--requests-per-client``
 each, alternating the roles ``worker_1`` and ``aggregator``, 64-token replies at temperature 1 to a
 prompt that asks for a long answer.  Reported per C: completion tokens per second over the wall
 time, the median time to the first content delta, and the p50 / p99 time to the whole reply.
 
-    python benchmarks/bench_serve.py --clients 1,8,32
+    python benchmarks/bench_serve.py --clients 1,8,32                                   # srpo's engine
+    python benchmarks/bench_serve.py --sides srpo-builtin,srpo-vllm,vllm-serve --rounds 2  # all three (make test-vllm first)
 
-srpo's engine batches the requests waiting when a batch starts (a 10 ms window); a request that
-arrives while a batch generates waits for it to end (static batching): its time to first token
-includes the rest of that batch.  The comparison with vLLM's engine and vLLM's own server
-(``--engine vllm``, ``vllm serve``) needs ``.venv-vllm`` and is not part of this script yet.
+The sides alternate within each round.  srpo's engine batches the requests waiting when a batch
+starts (a 10 ms window); a request that arrives while a batch generates waits for it to end
+(static batching).  vLLM schedules continuously (a request joins at the next step).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 ROLES = ("worker_1", "aggregator")
+VLLM_PYTHON = ROOT / ".venv-vllm/bin/python"
 
 
 def free_port() -> int:
@@ -40,32 +45,53 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(port: int, threads: int, engine: str) -> subprocess.Popen:
-    """``srpo serve`` on the demo's team, waited for until it answers ``/v1/models``."""
+def server_command(side: str, port: int, threads: int, model_dir: str) -> tuple[list[str], dict]:
+    """The command line and environment that start ``side``'s server on ``port``."""
+    # vLLM on CPU: the same KV-cache size for both vLLM sides, every core bound
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "all"}
+    if side == "vllm-serve":
+        return [str(VLLM_PYTHON.with_name("vllm")), "serve", model_dir, "--port", str(port), "--dtype", "bfloat16",
+                "--max-model-len", "4096", "--served-model-name", "team"], env
+    python = sys.executable if side == "srpo-builtin" else str(VLLM_PYTHON)
+    return [python, "-m", "srpo.apps.cli", "serve", "--model", "smollm2-135m", "--workflow", "parallel_aggregate",
+            "--options", json.dumps({"num_workers": 2}), "--port", str(port), "--threads", str(threads),
+            "--engine", "builtin" if side == "srpo-builtin" else "vllm"], env
+
+
+def start_server(side: str, port: int, threads: int, model_dir: str) -> subprocess.Popen:
+    """``side``'s server, waited for until it answers ``/v1/models``."""
     import urllib.request
 
-    cmd = [sys.executable, "-m", "srpo.apps.cli", "serve", "--model", "smollm2-135m", "--workflow",
-           "parallel_aggregate", "--options", json.dumps({"num_workers": 2}), "--port", str(port),
-           "--threads", str(threads), "--engine", engine]
-    server = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
+    cmd, env = server_command(side, port, threads, model_dir)
+    server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise SystemExit(f"srpo serve exited ({server.returncode}):\n{server.stderr.read()[-3000:]}")
+            raise SystemExit(f"{side} exited ({server.returncode}):\n{server.stderr.read()[-3000:]}")
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).read()
             return server
         except OSError:
             time.sleep(0.5)
     server.kill()
-    raise SystemExit("srpo serve did not answer within 300 s")
+    raise SystemExit(f"{side} did not answer within 600 s")
 
 
-async def one_request(client, role: str, tokens: int) -> dict:
+def request_of(side: str, role: str) -> tuple[str, list[dict]]:
+    """The model name and messages of a request for ``role``: srpo serves roles by name and adds
+    their system prompt; vLLM's server serves the model, so the request carries the prompt."""
+    if side != "vllm-serve":
+        return role, [{"role": "user", "content": PROMPT}]
+    from srpo.tasks.kinds import task_kind
+
+    return "team", [{"role": "system", "content": task_kind("math").system_prompt}, {"role": "user", "content": PROMPT}]
+
+
+async def one_request(client, side: str, role: str, tokens: int) -> dict:
     start = time.perf_counter()
     first, count = None, 0
-    stream = await client.chat.completions.create(model=role, messages=[{"role": "user", "content": PROMPT}],
+    model, messages = request_of(side, role)
+    stream = await client.chat.completions.create(model=model, messages=messages,
                                                   max_tokens=tokens, temperature=1.0, stream=True,
                                                   stream_options={"include_usage": True})
     async for chunk in stream:
@@ -77,13 +103,13 @@ async def one_request(client, role: str, tokens: int) -> dict:
             "latency_s": time.perf_counter() - start, "tokens": count}
 
 
-async def load(port: int, clients: int, per_client: int, tokens: int) -> dict:
+async def load(side: str, port: int, clients: int, per_client: int, tokens: int) -> dict:
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=600)
 
     async def user(i: int) -> list[dict]:
-        return [await one_request(client, ROLES[(i + j) % 2], tokens) for j in range(per_client)]
+        return [await one_request(client, side, ROLES[(i + j) % 2], tokens) for j in range(per_client)]
 
     start = time.perf_counter()
     done = [r for rs in await asyncio.gather(*(user(i) for i in range(clients))) for r in rs]
@@ -91,7 +117,7 @@ async def load(port: int, clients: int, per_client: int, tokens: int) -> dict:
     await client.close()
     latencies = sorted(r["latency_s"] for r in done)
     p99 = latencies[min(len(latencies) - 1, round(0.99 * (len(latencies) - 1)))]
-    return {"clients": clients, "requests": len(done), "wall_s": wall,
+    return {"side": side, "clients": clients, "requests": len(done), "wall_s": wall,
             "tokens_per_s": sum(r["tokens"] for r in done) / wall, "mean_tokens": statistics.mean(r["tokens"] for r in done),
             "ttft_p50_s": statistics.median(r["ttft_s"] for r in done),
             "latency_p50_s": statistics.median(latencies), "latency_p99_s": p99}
@@ -99,32 +125,38 @@ async def load(port: int, clients: int, per_client: int, tokens: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sides", default="srpo-builtin", help="comma-separated: srpo-builtin, srpo-vllm, vllm-serve")
     ap.add_argument("--clients", default="1,8,32")
+    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--engine", default="builtin")
     ap.add_argument("--out", default="runs/bench_serve.json")
     args = ap.parse_args()
-    port = free_port()
-    server = start_server(port, args.threads, args.engine)
-    try:
-        asyncio.run(load(port, 1, 1, 4))  # warm-up
-        rows = []
-        for c in map(int, args.clients.split(",")):
-            rows.append(asyncio.run(load(port, c, args.requests_per_client, args.tokens)))
-            print(json.dumps(rows[-1]), flush=True)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+    from srpo.policies.models import converted_checkpoint
+
+    model_dir = str(converted_checkpoint("smollm2-135m"))  # the folder vLLM's server loads
+    rows = []
+    for r in range(args.rounds):
+        for side in args.sides.split(","):
+            port = free_port()
+            server = start_server(side, port, args.threads, model_dir)
+            try:
+                asyncio.run(load(side, port, 1, 1, 4))  # warm-up
+                for c in map(int, args.clients.split(",")):
+                    rows.append({"round": r, **asyncio.run(load(side, port, c, args.requests_per_client, args.tokens))})
+                    print(json.dumps(rows[-1]), flush=True)
+            finally:
+                server.terminate()
+                server.wait(timeout=60)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"engine": args.engine, "rows": rows}, indent=1))
-    print(f"\nengine {args.engine}, {args.tokens}-token replies, server threads {args.threads}\n")
-    print("| clients | requests | completion tokens/s | mean reply tokens | first token p50 (s) | latency p50 (s) | "
-          "latency p99 (s) |\n|---:|---:|---:|---:|---:|---:|---:|")
+    Path(args.out).write_text(json.dumps(rows, indent=1))
+    print(f"\n{args.tokens}-token replies, srpo's server at {args.threads} threads\n")
+    print("| server | round | clients | requests | completion tokens/s | mean reply tokens | first token p50 (s) | "
+          "latency p50 (s) | latency p99 (s) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['clients']} | {r['requests']} | {r['tokens_per_s']:.1f} | {r['mean_tokens']:.1f} | "
-              f"{r['ttft_p50_s']:.2f} | {r['latency_p50_s']:.2f} | {r['latency_p99_s']:.2f} |")
+        print(f"| {r['side']} | {r['round']} | {r['clients']} | {r['requests']} | {r['tokens_per_s']:.1f} | "
+              f"{r['mean_tokens']:.1f} | {r['ttft_p50_s']:.2f} | {r['latency_p50_s']:.2f} | {r['latency_p99_s']:.2f} |")
     return 0
 
 
