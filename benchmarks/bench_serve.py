@@ -48,7 +48,7 @@ def free_port() -> int:
 def server_command(side: str, port: int, threads: int, model_dir: str) -> tuple[list[str], dict]:
     """The command line and environment that start ``side``'s server on ``port``."""
     # vLLM on CPU: the same KV-cache size for both vLLM sides, every core bound
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "all"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"}
     if side == "vllm-serve":
         return [str(VLLM_PYTHON.with_name("vllm")), "serve", model_dir, "--port", str(port), "--dtype", "bfloat16",
                 "--max-model-len", "4096", "--served-model-name", "team"], env
