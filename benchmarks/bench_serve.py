@@ -50,8 +50,10 @@ def server_command(side: str, port: int, threads: int, model_dir: str) -> tuple[
     # vLLM on CPU: the same KV-cache size for both vLLM sides, every core bound
     env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"}
     if side == "vllm-serve":
-        return [str(VLLM_PYTHON.with_name("vllm")), "serve", model_dir, "--port", str(port), "--dtype", "bfloat16",
-                "--max-model-len", "4096", "--served-model-name", "team"], env
+        # `vllm serve`'s own module: the `vllm` script looks up a distribution named vllm, and
+        # vllm-cpu's is named vllm-cpu
+        return [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(port),
+                "--dtype", "bfloat16", "--max-model-len", "4096", "--served-model-name", "team"], env
     python = sys.executable if side == "srpo-builtin" else str(VLLM_PYTHON)
     return [python, "-m", "srpo.apps.cli", "serve", "--model", "smollm2-135m", "--workflow", "parallel_aggregate",
             "--options", json.dumps({"num_workers": 2}), "--port", str(port), "--threads", str(threads),
