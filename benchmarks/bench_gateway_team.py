@@ -14,7 +14,10 @@ program in worker processes (``gateway``, the default isolation) and in threads
 the program's own cost, not the gateway's).  Each side trains ``--steps`` steps in a fresh child process, alternating,
 ``--rounds`` times.  Per run: the rollout's seconds per team token over steps 2.. (step 1 of a
 program side also starts its workers, reported on its own), and the ratio of the medians to the
-built-in's.
+built-in's; and the seconds a step spends outside its sampling calls.  The sides' completions
+differ (a program's calls race, so a batch's rows and draws differ), hence their sampling work: the
+built-in's rollout of a step with a side's extra time outside sampling added, over the built-in's,
+states what the gateway costs at equal sampling work.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ def child(side: str, steps: int, threads: int, out: str) -> dict:
     cfg = load_config(ROOT / "configs/studies/math_base.yaml",
                       [*SIDES[side], f"run.steps={steps}", f"run.threads={threads}", f"run.output_dir={out}"])
     trainer = Trainer(cfg, progress=False, overwrite=True)
-    calls: list[tuple[int, float]] = []  # every sampling call of the rollouts: its rows and seconds
+    calls: list[tuple[int, int, float]] = []  # every sampling call of the rollouts: its step, rows and seconds
     generate = trainer.engine.generate
 
     def counted(requests, *args, **kwargs):
@@ -66,7 +69,7 @@ def child(side: str, steps: int, threads: int, out: str) -> dict:
         try:
             return generate(requests, *args, **kwargs)
         finally:
-            calls.append((len(requests), time.perf_counter() - start))
+            calls.append((trainer.step, len(requests), time.perf_counter() - start))
     trainer.engine.generate = counted
     try:
         history = trainer.fit()
@@ -74,7 +77,15 @@ def child(side: str, steps: int, threads: int, out: str) -> dict:
         trainer.close()
     return {"rollout_s": [h["time/rollout_s"] for h in history], "team_tokens": [h["team_tokens"] for h in history],
             "step_s": [h["time/step_s"] for h in history], "calls": len(calls),
-            "rows": sum(n for n, _ in calls), "sampling_s": sum(t for _, t in calls)}
+            "rows": sum(n for _, n, _ in calls), "sampling_s": sum(t for _, _, t in calls),
+            "sampling_by_step": [sum(t for s, _, t in calls if s == step) for step in range(len(history))]}
+
+
+def outside_sampling(run: dict, first: int = 1) -> float:
+    """Rollout seconds a step spends outside the sampling calls (the gateway, the programs, the
+    batch windows; the built-in's runtime), mean over the steps from ``first`` on."""
+    rest = [r - s for r, s in zip(run["rollout_s"][first:], run["sampling_by_step"][first:])]
+    return sum(rest) / max(len(rest), 1)
 
 
 def per_token(run: dict, first: int = 1) -> float:
@@ -105,12 +116,16 @@ def main() -> None:
                       f"tokens {run['team_tokens']}; {run['calls']} sampling calls, {run['rows']} rows, "
                       f"{run['sampling_s']:.1f} s of {sum(run['rollout_s']):.1f} s of rollout inside them)", flush=True)
     med = {side: statistics.median(per_token(run) for run in rs) for side, rs in runs.items()}
-    print(f"\n| side | rollout ms per team token (median of {args.rounds}) |\n|---|---:|")
-    for side, value in med.items():
-        print(f"| {side} | {1e3 * value:.2f} |")
+    outside = {side: statistics.median(outside_sampling(run) for run in rs) for side, rs in runs.items()}
+    # The built-in's rollout of a step with this side's extra time outside sampling added: what the
+    # gateway costs at equal sampling work (the sides' completions, hence their sampling, differ).
+    step_rollout = statistics.median(statistics.mean(run["rollout_s"][1:]) for run in runs["builtin"])
+    print(f"\n| side | rollout ms per team token (median of {args.rounds}) | / built-in | s outside sampling "
+          f"a step (median) | built-in rollout + the extra, / built-in |\n|---|---:|---:|---:|---:|")
     for side in SIDES:
-        if side != "builtin":
-            print(f"{side} / built-in: **{med[side] / med['builtin']:.2f}×**")
+        extra = (step_rollout + outside[side] - outside["builtin"]) / step_rollout
+        print(f"| {side} | {1e3 * med[side]:.2f} | {med[side] / med['builtin']:.2f}× | {outside[side]:.3f} | "
+              f"{extra:.2f}× |")
 
 
 if __name__ == "__main__":
