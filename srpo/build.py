@@ -318,10 +318,13 @@ def _check_capabilities(cfg: Config) -> None:
     if cfg.train.fsdp_share_prompts and not backend_.shards_parameters:
         raise ConfigError(f"train.fsdp_share_prompts: a sharded backend's setting (train.parallel: fsdp); "
                           f"{cfg.train.parallel} always shares prompts in its log-prob passes")
-    if r.quorum < 1 and backend_.shards_parameters and not engine_.holds_own_weights:
-        raise ConfigError(f"rollout.quorum below 1 with train.parallel: {cfg.train.parallel} needs an engine that holds "
-                          f"its own copy of the weights (rollout.engine: vllm): the stragglers' sampler would need a "
-                          f"full unsharded copy")
+    if r.quorum < 1 and engine_.holds_own_weights:
+        raise ConfigError(f"rollout.quorum below 1 with rollout.engine: {r.engine} is not offered: the stragglers would "
+                          f"sample on the engine while the trainer pushes new weights into it and evaluates with it — "
+                          f"use rollout.engine: builtin, or rollout.quorum: 1")
+    if r.quorum < 1 and backend_.shards_parameters:
+        raise ConfigError(f"rollout.quorum below 1 with train.parallel: {cfg.train.parallel}: the stragglers' sampler "
+                          f"would need a full unsharded copy of the weights — use rollout.quorum: 1")
     if r.max_staleness and backend_.shards_parameters and not engine_.holds_own_weights:
         raise ConfigError(f"rollout.max_staleness: 1 with train.parallel: {cfg.train.parallel} needs an engine that "
                           f"holds its own copy of the weights (rollout.engine: vllm) — the {r.engine} sampler would "

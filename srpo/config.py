@@ -440,8 +440,9 @@ class RolloutConfig(Section):
     background thread on a copy of the policies, their next calls drawn on the updated weights,
     and join the first later step at which they are whole; members record the version they were
     drawn with, q_old is recomputed and train.tis_cap corrects the gap (``rollout/stragglers``,
-    ``rollout/staleness_mean|max`` logged).  One process; not with max_staleness: 1; a run with it
-    resumes without losing episodes but not bit for bit (srpo/train/quorum.py)."""
+    ``rollout/staleness_mean|max`` logged).  One process, the built-in sampler; not with
+    max_staleness: 1; a run with it resumes without losing episodes but not bit for bit
+    (srpo/train/quorum.py)."""
     sleep_during_update: bool = False
     """vllm on CUDA: release the engine's memory while the update runs (vLLM's sleep mode: the KV
     cache dropped; the weights dropped too for shared/separate, which the sync rewrites, or kept in

@@ -20,7 +20,9 @@ A checkpoint holds the finished episodes not yet trained on and the jobs still r
 run trains the former and samples the latter again from their start, on the resumed weights —
 nothing is lost or trained twice.  A quorum run does not resume bit for bit: which episodes make a
 quorum depends on timing.  One process only (ranks would close their steps on different quorums),
-and not with ``rollout.max_staleness: 1`` (the stragglers already run beside the update).
+the built-in sampler only (an engine with weights of its own would be sampled by the stragglers
+while the trainer pushes new weights into it), and not with ``rollout.max_staleness: 1`` (the
+stragglers already run beside the update).
 """
 
 from __future__ import annotations

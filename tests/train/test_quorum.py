@@ -121,3 +121,6 @@ def test_quorum_needs_recomputed_old_logprobs_and_no_overlap(tmp_path):
         load_config(None, tiny(tmp_path, ["rollout.quorum=0.5", "rollout.max_staleness=1"]))
     with pytest.raises(ConfigError, match="rollout.quorum"):
         load_config(None, tiny(tmp_path, ["rollout.quorum=0.5", "train.old_logprobs=behaviour"]))
+    # an engine with its own weights would be sampled by the stragglers while the trainer syncs it
+    with pytest.raises(ConfigError, match="rollout.quorum below 1 with rollout.engine: vllm"):
+        load_config(None, tiny(tmp_path, ["rollout.quorum=0.5", "rollout.engine=vllm"]))
