@@ -98,16 +98,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--sides", default=",".join(SIDES), help="comma-separated, builtin among them")
     ap.add_argument("--child", choices=list(SIDES))
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if args.child:
         report(child(args.child, args.steps, args.threads, args.out))
         return
-    runs: dict[str, list[dict]] = {side: [] for side in SIDES}
+    sides = args.sides.split(",")
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            for side in SIDES:
+            for side in sides:
                 run = run_child([__file__, "--child", side, "--steps", args.steps, "--threads", args.threads,
                                  "--out", f"{tmp}/{side}-{r}"], what=side)
                 runs[side].append(run)
@@ -122,7 +124,7 @@ def main() -> None:
     step_rollout = statistics.median(statistics.mean(run["rollout_s"][1:]) for run in runs["builtin"])
     print(f"\n| side | rollout ms per team token (median of {args.rounds}) | / built-in | s outside sampling "
           f"a step (median) | built-in rollout + the extra, / built-in |\n|---|---:|---:|---:|---:|")
-    for side in SIDES:
+    for side in sides:
         extra = (step_rollout + outside[side] - outside["builtin"]) / step_rollout
         print(f"| {side} | {1e3 * med[side]:.2f} | {med[side] / med['builtin']:.2f}× | {outside[side]:.3f} | "
               f"{extra:.2f}× |")
