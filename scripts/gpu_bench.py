@@ -10,10 +10,11 @@ fixed.  Each (model, side) runs in a fresh child process:
   (``train.parallel: fsdp``), bf16 autocast, every event forwarded (``train.skip_zero_advantage:
   false``, as TRL does);
 - ``trl``: ``GRPOTrainer`` (bf16, ``loss_type: grpo``, no KL) with the same prompts, group size,
-  completion length, learning rate and reward (a hash of the completion's text: varied, cheap).
+  completion length, learning rate and reward (a hash of the reply's text — srpo's workflow answer,
+  TRL's completion — varied and cheap; with every event forwarded the work does not depend on it).
 
 Reported per run (steps after the first, which warms up): step time and its split (generation /
-update), generation tokens/s, update tokens/s (completion tokens trained per second of update),
+the rest: the update, and for TRL its reward and bookkeeping), generation tokens/s, update tokens/s (completion tokens trained per second of update),
 peak GPU memory (``torch.cuda.max_memory_allocated``), and model FLOP utilisation against the
 GPU's dense bf16 peak — FLOPs counted as 2·N per generated token plus 6·N per trained token (N =
 all parameters; attention's own FLOPs and srpo's π_old pass are not counted, so MFU is a lower
@@ -159,16 +160,18 @@ def run_trl(args, path: Path) -> dict:
 
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": q}]} for q in prompts(args.prompts * args.steps)])
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    generate, generation_s, tokens = model.generate, [], []
+    timer = step_timer()
+    generate, generation_s, tokens = model.generate, {}, []
 
-    def timed_generate(*a, **k):  # the step's generation time, apart from the rest
+    def timed_generate(*a, **k):  # the generation time of the step in progress, apart from the rest
         start = time.perf_counter()
         try:
             return generate(*a, **k)
         finally:
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
-            generation_s.append(time.perf_counter() - start)
+            step = len(timer.times)  # steps finished so far: this call belongs to the next
+            generation_s[step] = generation_s.get(step, 0.0) + time.perf_counter() - start
     model.generate = timed_generate
 
     def reward(completions, completion_ids=None, **_):
@@ -176,7 +179,6 @@ def run_trl(args, path: Path) -> dict:
             tokens.append(sum(len(c) for c in completion_ids))
         return [reward_of(c[0]["content"]) for c in completions]
 
-    timer = step_timer()
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(), use_cpu=args.device == "cpu", bf16=True, max_steps=args.steps,
         per_device_train_batch_size=args.prompts * args.group, num_generations=args.group,
@@ -187,8 +189,7 @@ def run_trl(args, path: Path) -> dict:
                           processing_class=AutoTokenizer.from_pretrained(path), callbacks=[timer])
     trainer.train()
     steps = timer.times
-    gen = [sum(generation_s[i::len(steps)]) if len(generation_s) != len(steps) else generation_s[i]
-           for i in range(len(steps))]
+    gen = [generation_s.get(i, 0.0) for i in range(len(steps))]
     peak = torch.cuda.max_memory_allocated() / 2 ** 30 if args.device.startswith("cuda") else None
     return {"step_s": steps, "generation_s": gen, "update_s": [s - g for s, g in zip(steps, gen)],
             "completion_tokens": tokens[:len(steps)], "peak_gpu_gib": peak}

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import logging
 import math
 import threading
@@ -461,16 +462,18 @@ class Runtime:
         self._open(workflow, [], serving=True)
         batcher = asyncio.create_task(self._batcher())
         live: set[asyncio.Task] = set()
+        places = itertools.count()  # each episode's place in batches: the order it arrived in
 
         def finished(eid: str, task: asyncio.Task) -> None:
             live.discard(task)
+            self._calls.pop(self._order.pop(eid, None), None)  # a long service keeps no entry per past episode
             self._episode_done(task)
             on_done(eid, None if task.cancelled() else (task.exception() or task.result()))
 
         try:
             while (jobs := await inbox.get()) is not None:
                 for eid, t in jobs:  # all started before any runs: their first requests share a batch
-                    self._order.setdefault(eid, len(self._order))
+                    self._order[eid] = next(places)
                     self._active += 1
                     task = asyncio.create_task(self._episode(workflow, eid, t))
                     task.add_done_callback(lambda done, eid=eid: finished(eid, done))
