@@ -3,11 +3,11 @@ steps that wait for every episode, under a long-tailed workload.
 
 The demo's team (SmolLM2-135M, ``parallel_aggregate`` with 2 workers, SRPO, 4 problems × 4
 episodes a step) on one-digit addition, with a tail: each episode's reward call sleeps
-``--tail-s`` seconds with probability ``--tail-p`` (a slow grader, tool or sandbox — the episode
-then takes about ten times as long as one whose sampling is its whole cost, with the default
-``--tail-s`` on this CPU; the shortest rollout of a step is reported so that the ratio can be
-read).  The sleep draws come from one seeded stream per run, the same for every
-mode.  Both modes train ``--steps`` steps with ``train.tis_cap`` on and are then evaluated on the
+``--tail-s`` seconds with probability ``--tail-p`` (a slow grader, tool or sandbox — with the
+default ``--tail-s`` such an episode takes about nine times as long as a step's whole rollout
+without one on this CPU; the shortest rollout of a step is reported so that the ratio can be
+read).  The sleep draws come from one seeded stream per run: the same sequence in every mode,
+though which episodes they fall on follows the order in which rewards are called.  Both modes train ``--steps`` steps with ``train.tis_cap`` on and are then evaluated on the
 whole test part (24 problems × ``--k``).
 
 Reported per mode: the mean and median step time (the mean is what a tail costs), the run's
