@@ -102,26 +102,34 @@ def _allowed(bits: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 class GrammarRows:
-    """The grammars of one sampling call's rows (indexed as ``params``): at each step
+    """The grammars of one decode batch's rows (indexed by the batch's row handles): at each step
     :meth:`masked` removes what each constrained row may not draw next, :meth:`advance` feeds it
-    the token drawn.  Rows without a grammar are left alone."""
+    the token drawn.  Rows without a grammar are left alone; rows join with :meth:`add` and leave
+    with :meth:`drop`."""
 
     def __init__(self, tokenizer, params: list[SamplingParams], vocab: int, eos: set[int]):
-        constrained = {i: p.grammar for i, p in enumerate(params) if p.grammar is not None}
-        self.vocab = vocab
+        self.tokenizer, self.vocab, self.eos = tokenizer, vocab, tuple(sorted(eos))
         self.matchers = {}
-        if not constrained:
+        for i, p in enumerate(params):
+            self.add(i, p)
+
+    def add(self, i: int, params: SamplingParams) -> None:
+        """Row ``i`` samples with ``params`` (nothing to do unless it has a grammar)."""
+        if params.grammar is None:
             return
         ll = _llguidance()
-        prepared = _prepared(tokenizer, vocab, tuple(sorted(eos)))
+        prepared = _prepared(self.tokenizer, self.vocab, self.eos)
         self._fill = ll.torch.fill_next_token_bitmask
-        for i, grammar in constrained.items():
-            matcher = ll.LLMatcher(prepared, compiled(grammar))
-            if matcher.is_error():  # the gateway validated it: this is a schema the tokenizer cannot serve
-                raise ValueError(f"structured output: the schema {grammar.name or ''} cannot be enforced "
-                                 f"with this tokenizer: {matcher.get_error()}")
-            self.matchers[i] = matcher
-        self._eos = torch.tensor(sorted(eos), dtype=torch.long)
+        self._eos = torch.tensor(self.eos, dtype=torch.long)
+        matcher = ll.LLMatcher(prepared, compiled(params.grammar))
+        if matcher.is_error():  # the gateway validated it: this is a schema the tokenizer cannot serve
+            raise ValueError(f"structured output: the schema {params.grammar.name or ''} cannot be enforced "
+                             f"with this tokenizer: {matcher.get_error()}")
+        self.matchers[i] = matcher
+
+    def drop(self, i: int) -> None:
+        """Row ``i`` left the batch."""
+        self.matchers.pop(i, None)
 
     def __bool__(self) -> bool:
         return bool(self.matchers)

@@ -10,7 +10,7 @@ import torch
 
 from srpo.config import ConfigError, parse_config
 from srpo.parallel.devices import DeviceError, process_group_backend, rank_device
-from srpo.policies.sampling import draw, kv_budget, SAMPLE_KV_BUDGET
+from srpo.policies.decoding import draw, kv_budget, SAMPLE_KV_BUDGET
 from srpo.rollout.vllm import buckets, cpu_cores_of_rank, engine_visible_devices, engine_weights, staging_root
 
 TORCHRUN = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}

@@ -352,7 +352,7 @@ def test_fast_decode_samples_what_hf_samples(model_name, bf16):
 def test_a_prefill_split_under_its_memory_budget_samples_the_same(monkeypatch, fast_decode):
     """Long prompts in a large batch prefill in chunks of rows (their attention scores bounded);
     the joined cache continues exactly as the one-piece prefill's would."""
-    from srpo.policies import sampling
+    from srpo.policies import decoding
 
     model, tok = load_model("tiny-llama")
     model.eval()
@@ -363,7 +363,7 @@ def test_a_prefill_split_under_its_memory_budget_samples_the_same(monkeypatch, f
     forward = model.forward
     monkeypatch.setattr(model, "forward", lambda *a, **kw: calls.append(kw["input_ids"].shape[0]) or forward(*a, **kw))
     P = max(len(p) for p in prompts)
-    monkeypatch.setattr(sampling, "PREFILL_SCORE_BUDGET", 2 * model.config.num_attention_heads * P * P * 4)
+    monkeypatch.setattr(decoding, "PREFILL_SCORE_BUDGET", 2 * model.config.num_attention_heads * P * P * 4)
     split = sample(model, tok, prompts, params, generator=torch.Generator().manual_seed(5), fast_decode=fast_decode)
     distinct = len({tuple(p) for p in prompts})
     assert distinct >= 3 and calls[:(distinct + 1) // 2] == [2] * (distinct // 2) + [1] * (distinct % 2), \
@@ -374,14 +374,14 @@ def test_a_prefill_split_under_its_memory_budget_samples_the_same(monkeypatch, f
 
 
 def test_a_call_over_its_kv_budget_is_split_and_greedy_rows_are_unchanged(monkeypatch):
-    from srpo.policies import sampling
+    from srpo.policies import decoding
 
     model, tok = load_model("tiny-llama")
     model.eval()
     prompts = _mixed_prompts(tok, 6)
     params = [SamplingParams(max_new_tokens=8, temperature=0)] * 6
     whole = sample(model, tok, prompts, params)
-    monkeypatch.setattr(sampling, "SAMPLE_KV_BUDGET", 1)  # every row alone
+    monkeypatch.setattr(decoding, "SAMPLE_KV_BUDGET", 1)  # every row alone
     calls = []
     forward = model.forward
     monkeypatch.setattr(model, "forward", lambda *a, **kw: calls.append(kw["input_ids"].shape[0]) or forward(*a, **kw))
@@ -474,7 +474,7 @@ def test_sampling_packs_the_weights_only_for_calls_that_run_long(monkeypatch):
     sample(model, tok, prompts, SamplingParams(max_new_tokens=5), generator=torch.Generator().manual_seed(0))
     assert packed == []  # a short call never pays for packing
     # No EOS: every row runs its 20 tokens, so packing happens once, part-way through.
-    monkeypatch.setattr("srpo.policies.sampling.eos_token_ids", lambda model, tok: set())
+    monkeypatch.setattr("srpo.policies.decoding.eos_token_ids", lambda model, tok: set())
     out = sample(model, tok, prompts, SamplingParams(max_new_tokens=20), generator=torch.Generator().manual_seed(0))
     assert [len(s.completion_ids) for s in out] == [20] * 4
     assert packed == [4]
