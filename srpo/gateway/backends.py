@@ -7,8 +7,10 @@ request's settings, and return OpenAI choices.  Requests arrive on the HTTP serv
 
 - :class:`EpisodeBackend` hands each request to the training runtime's loop, where it joins the
   runtime's batches with every other live episode's requests (:mod:`srpo.workflows.runtime`);
-- :class:`ServeBackend` gathers concurrent requests for a short window and generates them as one
-  batch in a single worker thread.
+- :class:`ServeBackend` batches concurrent requests in one worker thread: continuously with srpo's
+  own sampler (a request joins the running batch at the next token step,
+  :mod:`srpo.gateway.continuous`), or, with an engine that generates whole batches (vLLM's, a
+  user's), by gathering the requests of a short window into one batch.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 
 from srpo.events import Member
+from srpo.gateway.continuous import ContinuousScheduler
 from srpo.gateway.dataflow import EpisodeRecorder
 from srpo.gateway import formats, tools
 from srpo.gateway.parsers import REASONING_PARSERS, TOOL_PARSERS
@@ -214,7 +217,10 @@ class ServeBackend:
     """``srpo serve``: each role answers with its policy; concurrent requests are generated together.
 
     ``engine`` samples (the built-in sampler or vLLM) in one daemon thread; ``autocast`` is entered
-    there (autocast state is per thread).  What it cannot serve it sheds, never queues unboundedly:
+    there (autocast state is per thread).  An engine with ``decode_team()`` (srpo's sampler) batches
+    continuously: a request joins the running rows at the next token step and its reply leaves when
+    it is done (:class:`~srpo.gateway.continuous.ContinuousScheduler`); any other engine generates
+    whole batches, each gathering the requests of a ``window_s`` window.  What it cannot serve it sheds, never queues unboundedly:
 
     - a prompt over ``max_prompt_tokens`` is refused (by its length in characters before it is
       tokenised, then by its tokens); tokenising runs off the event loop, so a large prompt does
@@ -246,6 +252,7 @@ class ServeBackend:
         self._queue: asyncio.Queue | None = None
         self._tokenize = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="srpo-tokenize")
         self._batcher: asyncio.Task | None = None
+        self._scheduler: ContinuousScheduler | None = None  # with an engine that decodes continuously
 
     streams = True  # calls on_token as tokens are drawn (srpo.gateway.streaming)
 
@@ -272,13 +279,22 @@ class ServeBackend:
             raise ProtocolError(f"the server is busy: {len(self._waiting)} generations are waiting (at most "
                                 f"{self.max_queue}, srpo serve --max-queue); retry later", status=429,
                                 kind="server_error", code="server_busy",
-                                retry_after_s=max(1, math.ceil(batches * self._batch_s)))
+                                retry_after_s=max(1, math.ceil(batches * self._turn_s())))
+
+    def _turn_s(self) -> float:
+        """How long a full batch takes to make room: what Retry-After is estimated from."""
+        return self._scheduler.reply_s if self._scheduler is not None else self._batch_s
 
     async def complete(self, req: CompletionRequest, on_token=None) -> tuple[list[Choice], int]:
         loop = asyncio.get_running_loop()
         if self._queue is None:  # created on the server's loop, at the first request
             self._queue = asyncio.Queue()
-            self._batcher = loop.create_task(self._serve())
+            open_team = getattr(self.engine, "decode_team", None)
+            if open_team is not None and open_team() is not None:
+                self._scheduler = ContinuousScheduler(open_team, loop, self.generator, max_batch=self.max_batch,
+                                                      autocast=self.autocast, stats=self.stats)
+            else:
+                self._batcher = loop.create_task(self._serve())
         self._refuse_when_busy(req.n)
         where = "messages" if req.chat else "prompt"
         chars = sum(len(t) for t in req.texts())
@@ -311,7 +327,10 @@ class ServeBackend:
             fut = loop.create_future()
             self._waiting.add(fut)
             fut.add_done_callback(self._waiting.discard)
-            self._queue.put_nowait((request, fut))
+            if self._scheduler is not None:
+                self._scheduler.submit(request, fut)
+            else:
+                self._queue.put_nowait((request, fut))
             futures.append(fut)
         try:
             samples = await asyncio.gather(*futures)
@@ -371,6 +390,8 @@ class ServeBackend:
         self._closing = True
         if self._batcher is not None:
             self._batcher.cancel()
+        if self._scheduler is not None:
+            self._scheduler.close()
         self._tokenize.shutdown(wait=False, cancel_futures=True)
 
 

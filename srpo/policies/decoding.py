@@ -23,7 +23,7 @@ import torch
 from srpo.policies.fast_decode import DecodeState, fast_decoder_for
 from srpo.policies.grammar import GrammarRows
 from srpo.policies.logprobs import cache_keyword, position_ids_from_mask
-from srpo.types import Sample, SamplingParams
+from srpo.types import GenerationRequest, Sample, SamplingParams
 
 # The lean decode step packs the weights once a batch has run this many token steps with rows
 # still sampling: packing costs about as much as 10 steps save (SmolLM2-135M, batch 16), so short
@@ -437,3 +437,58 @@ class DecodeBatch:
         reason = self.reasons.pop(handle) or "length"
         return Sample(completion_ids=tokens, text=self.tokenizer.decode(tokens, skip_special_tokens=True),
                       logprobs=self.logps.pop(handle), finish_reason=reason)
+
+
+class TeamDecode:
+    """The running decode batches of a team (one per model: a shared model or a LoRA base holds
+    one batch for every role, separate models one each), fed :class:`GenerationRequest` s.
+
+    Args:
+        batches: batch key → its :class:`DecodeBatch`.
+        batch_of: role → the key of the batch that samples it.
+        adapter_of: role → its PEFT adapter (a LoRA team), or None.
+    """
+
+    def __init__(self, batches: dict[str, DecodeBatch], batch_of, adapter_of=None):
+        self.batches, self.batch_of, self.adapter_of = batches, batch_of, adapter_of
+
+    @property
+    def running(self) -> int:
+        return sum(b.running for b in self.batches.values())
+
+    def admits(self, request: GenerationRequest, also: int = 0) -> bool:
+        """Whether ``request`` may join now, with ``also`` rows admitted before it: its batch takes
+        rows while others decode, and its KV cache stays within :func:`kv_budget` (an empty batch
+        admits anything: it must make progress)."""
+        batch = self.batches[self.batch_of(request.role)]
+        if batch.running + also == 0:
+            return True
+        return batch.joins and batch.kv_bytes(1 + also, len(request.prompt_ids),
+                                              request.params.max_new_tokens) <= kv_budget(batch.device)
+
+    def add(self, requests: list[GenerationRequest]) -> list[tuple[str, int]]:
+        """Prefill ``requests`` into their batches; returns their handles, in order."""
+        by_batch: dict[str, list[int]] = {}
+        for i, r in enumerate(requests):
+            by_batch.setdefault(self.batch_of(r.role), []).append(i)
+        handles: list[tuple[str, int] | None] = [None] * len(requests)
+        for key, rows in by_batch.items():
+            reqs = [requests[i] for i in rows]
+            names = [self.adapter_of(r.role) for r in reqs] if self.adapter_of else None
+            for i, h in zip(rows, self.batches[key].add([r.prompt_ids for r in reqs], [r.params for r in reqs], names)):
+                handles[i] = (key, h)
+        return handles  # type: ignore[return-value]
+
+    def step(self, generator: torch.Generator | None = None) -> list[tuple[str, int]]:
+        """One token step of every batch with rows running; returns the handles that finished."""
+        finished = []
+        for key, batch in self.batches.items():
+            if batch.running:
+                finished += [(key, h) for h in batch.step(generator)]
+        return finished
+
+    def cancel(self, handle: tuple[str, int]) -> None:
+        self.batches[handle[0]].cancel(handle[1])
+
+    def pop(self, handle: tuple[str, int]) -> Sample:
+        return self.batches[handle[0]].pop(handle[1])

@@ -29,6 +29,7 @@ import torch
 
 from srpo.policies.logprobs import LogprobPass, completion_logprobs
 from srpo.policies.models import load_model
+from srpo.policies.decoding import DecodeBatch, TeamDecode
 from srpo.policies.sampling import sample
 from srpo.types import GenerationRequest, Sample
 
@@ -90,6 +91,11 @@ class PolicySet:
 
     def generate(self, requests: list[GenerationRequest], generator: torch.Generator | None = None) -> list[Sample]:
         raise NotImplementedError
+
+    def decode_team(self) -> TeamDecode | None:
+        """Running decode batches for the team's roles, which requests join as they arrive
+        (``srpo serve``'s continuous batching); None where the policies sample otherwise."""
+        return None
 
     def save_pretrained(self, folder: str | Path, state_dicts: dict | None = None) -> None:
         """Every policy's weights in HF format under ``folder``; ``state_dicts`` (policy id → full
@@ -236,6 +242,10 @@ class SharedPolicies(PolicySet):
         self._check_sampling()
         return _sample_grouped(self.model, self.tokenizer, requests, generator)
 
+    def decode_team(self):
+        self._check_sampling()
+        return TeamDecode({"shared": DecodeBatch(self.model, self.tokenizer)}, lambda role: "shared")
+
     def save_pretrained(self, folder, state_dicts=None):
         self._save_model(self.model, "shared", Path(folder) / "shared", state_dicts)
         self.tokenizer.save_pretrained(Path(folder) / "shared")
@@ -290,6 +300,12 @@ class LoraPolicies(PolicySet):
         self._check_sampling()
         self.model.eval()  # mixed-adapter batches are only allowed in eval mode
         return _sample_grouped(self.model, self.tokenizer, requests, generator, adapter_of=self.policy_of)
+
+    def decode_team(self):
+        self._check_sampling()
+        self.model.eval()  # mixed-adapter batches are only allowed in eval mode
+        return TeamDecode({"lora": DecodeBatch(self.model, self.tokenizer, mixed_adapters=True)}, lambda role: "lora",
+                          adapter_of=self.policy_of)
 
     def save_pretrained(self, folder, state_dicts=None):
         """One sub-folder per adapter under ``folder/adapters``; ``state_dicts`` (policy id → its
@@ -377,6 +393,10 @@ class SeparatePolicies(PolicySet):
         self._check_sampling()
         return self.per_policy(requests, lambda pid, reqs: _sample_grouped(self.models[pid], self.tokenizer, reqs,
                                                                             generator))
+
+    def decode_team(self):
+        self._check_sampling()
+        return TeamDecode({pid: DecodeBatch(m, self.tokenizer) for pid, m in self.models.items()}, self.policy_of)
 
     def save_pretrained(self, folder, state_dicts=None):
         for pid, model in self.models.items():

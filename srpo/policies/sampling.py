@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from srpo.policies.decoding import (  # noqa: F401 — the sampler's parts, imported from here by callers
-    PACK_AFTER_STEPS, PREFILL_SCORE_BUDGET, SAMPLE_KV_BUDGET, DecodeBatch, draw, eos_token_ids, kv_budget,
-    kv_bytes_per_token)
+from srpo.policies.decoding import DecodeBatch, kv_budget, kv_bytes_per_token
 from srpo.types import Sample, SamplingParams
 
 

@@ -26,6 +26,10 @@ class BuiltinEngine:
     def generate(self, requests: list[GenerationRequest], generator: torch.Generator | None = None) -> list[Sample]:
         return self.policies.generate(requests, generator)
 
+    def decode_team(self):
+        """Running decode batches that requests join as they arrive (``srpo serve``)."""
+        return self.policies.decode_team()
+
     def release(self) -> None:
         """Nothing to release: the sampler holds no memory of its own between rollouts."""
 

@@ -5,7 +5,7 @@ masked, renormalised log-prob is their difference.  For the sampler's and the vL
 import torch
 
 from srpo.policies.grammar import GrammarRows
-from srpo.policies.sampling import eos_token_ids
+from srpo.policies.decoding import eos_token_ids
 
 
 def replayed(model, tokenizer, prompt: list[int], completion: list[int], params) -> tuple[torch.Tensor, torch.Tensor]:

@@ -508,7 +508,7 @@ def test_fast_decode_declines_models_outside_its_family():
 
 
 def test_draw_follows_the_weights_and_never_picks_a_zero():
-    from srpo.policies.sampling import draw
+    from srpo.policies.decoding import draw
 
     weights = torch.tensor([[0.5, 0.0, 0.3, 0.2, 0.0]]).repeat(20000, 1)
     got = draw(weights, torch.Generator().manual_seed(0))

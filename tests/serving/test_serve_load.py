@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -202,3 +201,42 @@ def test_a_client_that_hangs_up_mid_body_is_one_quiet_line(served, caplog):
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     assert "Traceback" not in caplog.text
     assert httpx.post(f"{url}/chat/completions", json=_chat("still here"), timeout=60).status_code == 200
+
+
+def test_a_request_arriving_mid_generation_joins_the_running_batch():
+    """srpo's sampler batches continuously: a short request that arrives while a long reply is being
+    generated joins it at the next token step and is answered long before the long one ends — with
+    static batches it would wait for the long reply's whole batch."""
+    from srpo.gateway.backends import ServeBackend
+    from srpo.gateway.protocol import CompletionRequest
+    from srpo.policies.layouts import build_policies
+    from srpo.rollout.builtin import BuiltinEngine
+    from srpo.types import RoleSpec
+
+    policies = build_policies("shared", "tiny-llama", ["solver"], seed=0)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=64)
+    backend = ServeBackend(BuiltinEngine(policies), policies, {"solver": RoleSpec("solver", sampling=greedy)})
+    ask = {"model": "solver", "messages": [{"role": "user", "content": "Count:"}]}
+    tokens_when_short_ended = []
+
+    def on_long_token(index, token):
+        if len(long_tokens) == 4:  # hold the decode thread at the long reply's 5th token until the short one is queued
+            wait_until(lambda: backend.waiting == 2, "the short request was queued")
+        long_tokens.append(token)
+
+    async def both():
+        long = asyncio.ensure_future(backend.complete(CompletionRequest(**ask, max_tokens=64), on_token=on_long_token))
+        await asyncio.get_running_loop().run_in_executor(None, wait_until, lambda: len(long_tokens) >= 4 or long.done(),
+                                                         "the long reply started")
+        short, _ = await backend.complete(CompletionRequest(**ask, max_tokens=3))
+        tokens_when_short_ended.append(len(long_tokens))
+        return short, (await long)[0]
+
+    long_tokens: list[int] = []
+    try:
+        short, long = asyncio.run(both())
+    finally:
+        backend.close()
+    assert long[0].finish_reason == "length" and len(long_tokens) == 64  # the premise: the long reply ran its 64 tokens
+    assert short[0].finish_reason == "length"
+    assert 4 < tokens_when_short_ended[0] < 16  # answered a few steps after it joined, not after the long reply's 64
