@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import os
 import sys
 import time
@@ -562,6 +563,10 @@ def summaries(decl: dict, table: dict[Cell, dict[int, dict]]) -> list[dict]:
         row["joint_kl"] = sum(r["joint_kl_mean"] for r in seeds.values()) / len(seeds)
         row["clip_frac"] = sum(r.get("clip_frac_mean", 0.0) for r in seeds.values()) / len(seeds)
         row["start_success"] = sum(r["start_success"] for r in seeds.values()) / len(seeds)
+        # Descriptive, not declared: how many runs ended below their start (the log scale makes one
+        # collapsed run weigh on a mean), and the median that such runs do not move.
+        row["below_start"] = sum(r["final"] < 0 for r in seeds.values())
+        row["primary_median"] = statistics.median(r["primary"] for r in seeds.values())
         out.append(row)
     return out
 
@@ -569,8 +574,71 @@ def summaries(decl: dict, table: dict[Cell, dict[int, dict]]) -> list[dict]:
 def report(decl: dict, source: Path) -> dict:
     runs = read_all(source)
     table = by_cell(runs)
-    return {"declaration": decl, "cells": summaries(decl, table), "comparisons": comparisons(decl, table),
-            "runs": sum(len(v) for v in table.values()), "tuning_runs": sum(r["phase"] == "tune" for r in runs)}
+    result = {"declaration": decl, "cells": summaries(decl, table), "comparisons": comparisons(decl, table),
+              "runs": sum(len(v) for v in table.values()), "tuning_runs": sum(r["phase"] == "tune" for r in runs)}
+    result["predictions"] = predictions(result)
+    return result
+
+
+def _find(comparisons_: list[dict], kind: str, metric: str, condition: str, reward: str, policy: str, k: int,
+          method: str) -> dict | None:
+    for c in comparisons_:
+        if (c["kind"], c["metric"], c["condition"], c["reward"], c["policy"], c["k"], c["method"]) == (
+                kind, metric, condition, reward, policy, k, method):
+            return c
+    return None
+
+
+def _sig(c: dict | None, sign: int) -> bool:
+    return c is not None and c["significant"] and c["mean"] * sign > 0
+
+
+def predictions(result: dict) -> list[dict]:
+    """The declared predictions P1–P5, each as a count of the comparisons that bear it out (Holm,
+    primary metric; the rules that turn the study file's words into counts are written here, in
+    the report, and apply to both metrics alike)."""
+    comps, ks = result["comparisons"], (2, 4, 8, 16)
+    out = []
+    for metric in ("primary", "final"):
+        def f(kind, cond, reward, policy, k, method):
+            return _find(comps, kind, metric, cond, reward, policy, k, method)
+
+        edge = [(p, m, k, f("srpo_sqrt − method", "targets", "joint", p, k, m)["mean"])
+                for p in ("per_member", "shared") for m in ("grpo", "gspo") for k in ks]
+        ahead = sum(_sig(f("srpo_sqrt − method", "targets", "joint", p, k, m), +1) for p, m, k, _ in edge)
+        behind = sum(_sig(f("srpo_sqrt − method", "targets", "joint", p, k, m), -1) for p, m, k, _ in edge)
+        growing = sum(all(a[3] < b[3] for a, b in zip(run, run[1:])) for run in
+                      ([e for e in edge if e[:2] == (p, m)] for p in ("per_member", "shared") for m in ("grpo", "gspo")))
+        c3 = [f("(srpo_sqrt − method): joint − decomposable", "targets", "joint − decomposable", p, k, m)
+              for p in ("per_member", "shared") for m in ("grpo", "gspo") for k in ks]
+        modsum = [f("srpo_sqrt − method", "modsum", "joint", p, k, m)
+                  for p in ("per_member", "shared") for m in ("grpo", "dr_mas") for k in ks]
+        mixed = [f("srpo_sqrt − method", "mixed", "joint", p, 16, m)
+                 for p in ("per_member", "shared") for m in ("srpo_sum", "srpo_mean")]
+        ties = [c for c in comps if c["metric"] == metric and c["k"] == 1 and c["kind"] == "srpo_sqrt − method"]
+        exact = [c for c in ties if c["method"] in ("srpo_sum", "srpo_mean")]
+        others = [c for c in ties if c["method"] not in ("srpo_sum", "srpo_mean")]
+        above = [c for c in comps if c["metric"] == metric and c["kind"] == "oracle − method" and _sig(c, -1)]
+        out += [
+            {"metric": metric, "prediction": "P1 credit: sqrt ahead of grpo/gspo (targets, joint), K = 2–16, both policies",
+             "holds": f"{ahead} of {len(edge)} ahead, {behind} behind (Holm); the edge grows with K in {growing} of 4 series"},
+            {"metric": metric, "prediction": "P1 credit: the contrast C3 positive (vs grpo/gspo)",
+             "holds": f"{sum(_sig(c, +1) for c in c3)} of {len(c3)} positive, {sum(_sig(c, -1) for c in c3)} negative"},
+            {"metric": metric, "prediction": "P1 credit: sqrt ahead of grpo and dr_mas in modsum",
+             "holds": f"{sum(_sig(c, +1) for c in modsum)} of {len(modsum)} ahead, {sum(_sig(c, -1) for c in modsum)} behind"},
+            {"metric": metric, "prediction": "P2 step size: C3 within ±margin (TOST) at every K",
+             "holds": f"{sum(c['tost'] < 0.05 for c in c3)} of {len(c3)} equivalent"},
+            {"metric": metric, "prediction": "P3 reduction: sqrt ahead of sum and mean in mixed, joint",
+             "holds": f"{sum(_sig(c, +1) for c in mixed)} of {len(mixed)} ahead, {sum(_sig(c, -1) for c in mixed)} behind"},
+            {"metric": metric, "prediction": "P4 ties at K = 1: sum = sqrt = mean exactly; grpo, gspo, dr_mas within ±margin",
+             "holds": f"{sum(c['mean'] == 0 and c['sd'] == 0 for c in exact)} of {len(exact)} exact; "
+                      f"{sum(c['tost'] < 0.05 for c in others)} of {len(others)} equivalent"},
+            {"metric": metric, "prediction": "P5 nothing above the oracle beyond noise",
+             "holds": f"{len(above)} comparisons above it (Holm): "
+                      + (", ".join(f"{c['method']} {c['condition']} {c['reward']} {c['policy']} K={c['k']} "
+                                   f"{-c['mean']:+.3f}" for c in above) or "none")},
+        ]
+    return out
 
 
 def markdown(result: dict) -> str:
@@ -578,14 +646,21 @@ def markdown(result: dict) -> str:
     lines = [f"Primary: the share of the log-room gained, mean over updates 1–{decl['updates']}; co-primary "
              f"(final): its mean over the last {decl.get('final_window', 10)} updates.  {len(decl['seeds'])} fresh "
              f"paired seeds per cell at the rate tuned on {len(decl['tuning_seeds'])} other seeds.", "",
-             "| condition | reward | policy | K | method | rate | primary ± SE | final ± SE | share of oracle | "
-             "joint KL | clip |", "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "Declared predictions, counted by the rules in `predictions()` (Holm-significant comparisons):", "",
+             "| metric | prediction | what the comparisons show |", "|---|---|---|"]
+    lines += [f"| {p['metric']} | {p['prediction']} | {p['holds']} |" for p in result.get("predictions", [])]
+    lines += ["", "Per cell (descriptive beside the declared metrics: the median primary, and how many of "
+              "the runs ended below their start — on a log scale one collapsed run weighs on a mean):", "",
+              "| condition | reward | policy | K | method | rate | primary ± SE | final ± SE | share of oracle | "
+              "joint KL | clip | median primary | ended below start |",
+              "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for c in result["cells"]:
         edge = " (edge)" if c["lr_at_edge"] else ""
         share = f"{c['share_of_oracle']:.2f}" if "share_of_oracle" in c else "–"
         lines.append(f"| {c['condition']} | {c['reward']} | {c['policy']} | {c['k']} | {c['method']} | {c['lr']:g}{edge} | "
                      f"{c['primary']:.3f} ± {c['primary_se']:.3f} | {c['final']:.3f} ± {c['final_se']:.3f} | {share} | "
-                     f"{c['joint_kl']:.4f} | {c['clip_frac']:.3f} |")
+                     f"{c['joint_kl']:.4f} | {c['clip_frac']:.3f} | {c['primary_median']:.3f} | "
+                     f"{c['below_start']}/{c['n']} |")
     lines += ["", f"Paired comparisons, Holm across all {len(result['comparisons'])}; TOST at "
               f"±{decl.get('equivalence_margin', 0.02)}:", "",
               "| comparison | metric | condition | reward | policy | K | method | diff | 95% CI | p (Holm) | TOST p | verdict |",

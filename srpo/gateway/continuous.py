@@ -75,27 +75,28 @@ class ContinuousScheduler:
             while not self._closing:
                 if not self._take(pending, block=not live and not pending):
                     return
-                self._drop_abandoned(team, live, pending)
-                self._admit(team, live, pending)
-                if not team.running:
-                    continue
                 try:
-                    finished = team.step(self.generator)
+                    self._drop_abandoned(team, live, pending)
+                    self._admit(team, live, pending)
+                    if team.running:
+                        self._step(team, live)
                 except Exception as err:  # a failed step fails the replies in its batches, not the server
                     log.error("generation failed:\n%s", traceback.format_exc())
                     for fut, _ in live.values():
                         self.loop.call_soon_threadsafe(_settle, fut, None, err)
                     live.clear()
-                    team = self.open_team()
-                    continue
-                for handle in finished:
-                    sample = team.pop(handle)
-                    if handle not in live:  # a row of a prefill that failed part-way: nobody waits for it
-                        continue
-                    fut, joined = live.pop(handle)
-                    self.reply_s = time.monotonic() - joined
-                    self.stats["generated"] = self.stats.get("generated", 0) + 1
-                    self.loop.call_soon_threadsafe(_settle, fut, sample)
+                    team = self.open_team()  # the batches' state is unknown: start them afresh
+
+    def _step(self, team, live: dict) -> None:
+        """One token step; the replies that ended go to their futures."""
+        for handle in team.step(self.generator):
+            sample = team.pop(handle)
+            if handle not in live:  # a row of a prefill that failed part-way: nobody waits for it
+                continue
+            fut, joined = live.pop(handle)
+            self.reply_s = time.monotonic() - joined
+            self.stats["generated"] = self.stats.get("generated", 0) + 1
+            self.loop.call_soon_threadsafe(_settle, fut, sample)
 
     def _take(self, pending: collections.deque, block: bool) -> bool:
         """Move what arrived into ``pending`` (waiting for something when idle); False once closed."""

@@ -246,10 +246,15 @@ class DecodeBatch:
         self.steps_fed = 0  # token steps fed since the batch was last empty: when to pack weights
         self._next_handle = 0
 
+    def _sampling(self, h: int) -> bool:
+        """Whether row ``h`` is still sampling (a finished row stays in the decode batch until the
+        next drop of rows, also after :meth:`pop` handed its sample over)."""
+        return h in self.reasons and self.reasons[h] is None
+
     @property
     def running(self) -> int:
         """Rows still sampling."""
-        return sum(self.reasons[h] is None for h in self.live)
+        return sum(map(self._sampling, self.live))
 
     @property
     def joins(self) -> bool:
@@ -265,7 +270,7 @@ class DecodeBatch:
         length and token limit (compare with :func:`kv_budget`)."""
         length = max(prompt_len, self.rows.attn.shape[1] if self.rows is not None else 0)
         room = max([new_tokens] + [self.params[h].max_new_tokens - len(self.tokens[h]) for h in self.live
-                                   if self.reasons[h] is None])
+                                   if self._sampling(h)])
         return (self.running + extra_rows) * (length + room) * kv_bytes_per_token(self.model)
 
     def add(self, prompts: list[list[int]], params: list[SamplingParams],
@@ -308,7 +313,7 @@ class DecodeBatch:
     def _join(self, handles, rows: _Rows, cache, next_logits, adapter_names) -> None:
         """Append prefilled rows to the running ones (finished rows are dropped first: the join
         copies the cache anyway)."""
-        self._keep([b for b, h in enumerate(self.live) if self.reasons[h] is None])
+        self._keep([b for b, h in enumerate(self.live) if self._sampling(h)])
         old_len, new_len = self.rows.attn.shape[1], rows.attn.shape[1]
         length = max(old_len, new_len)
         if self.decoder is not None:
@@ -377,9 +382,9 @@ class DecodeBatch:
         is_eos = torch.isin(chosen, self.eos)
         finished = []
         for h, tok, lp, ended in zip(live, chosen.tolist(), chosen_logp.tolist(), is_eos.tolist()):
-            if self.reasons[h] is None and self._record(h, tok, lp, ended):
+            if self._sampling(h) and self._record(h, tok, lp, ended):
                 finished.append(h)
-        still = [b for b, h in enumerate(live) if self.reasons[h] is None]
+        still = [b for b, h in enumerate(live) if self._sampling(h)]
         if not still:
             self._clear()
             return finished
@@ -413,7 +418,7 @@ class DecodeBatch:
         """Feed each row's drawn token (padding for finished rows still in the batch) and keep the
         next logits."""
         rows = self.rows
-        active = torch.tensor([self.reasons[h] is None for h in self.live], device=self.device)
+        active = torch.tensor([self._sampling(h) for h in self.live], device=self.device)
         feed = torch.where(active, chosen, torch.full_like(chosen, self.pad))
         rows.attn = torch.cat([rows.attn, active.long()[:, None]], dim=1)
         if self.decoder is not None:

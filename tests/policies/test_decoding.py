@@ -78,3 +78,20 @@ def test_a_cancelled_row_leaves_and_the_batch_empties():
     assert batch.cache is None and batch.live == []  # empty: the next add starts a new batch
     assert batch.pop(a).finish_reason == "cancelled"
     assert batch.pop(b).finish_reason in ("length", "eos")
+
+
+def test_a_reply_handed_over_while_its_row_is_still_in_the_batch_disturbs_nothing():
+    """Rows that finish stay in the decode batch until a quarter of it has (then they are dropped in
+    one copy); serving hands each reply over at once — the others continue as they would alone."""
+    model, tok = load_model("tiny-llama")
+    model.eval()
+    prompts = [_ids(tok, t) for t in ["hi", "2+2?", "q", "name a colour", "7*8", "count"]]
+    params = [SamplingParams(max_new_tokens=2, temperature=0)] + [GREEDY] * 5
+    batch = DecodeBatch(model, tok)
+    handles = batch.add(prompts, params)
+    done = {}
+    while batch.running:
+        for h in batch.step():
+            done[h] = batch.pop(h)  # the 2-token row's reply leaves while its row is still in the batch
+    alone = sample(model, tok, prompts, params)
+    assert [done[h].completion_ids for h in handles] == [s.completion_ids for s in alone]
