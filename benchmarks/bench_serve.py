@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -65,11 +68,15 @@ def start_server(side: str, port: int, threads: int, model_dir: str) -> subproce
     import urllib.request
 
     cmd, env = server_command(side, port, threads, model_dir)
-    server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # Its own session: stopping it takes its engine processes with it (a vLLM engine core left
+    # behind keeps a core busy and slows the next server measured).
+    # Its log goes to a file: a pipe nobody reads fills up and stalls the server mid-measurement.
+    log = tempfile.NamedTemporaryFile("w+", prefix=f"bench-serve-{side}-", suffix=".log", delete=False)
+    server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise SystemExit(f"{side} exited ({server.returncode}):\n{server.stderr.read()[-3000:]}")
+            raise SystemExit(f"{side} exited ({server.returncode}):\n{Path(log.name).read_text()[-3000:]}")
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).read()
             return server
@@ -77,6 +84,17 @@ def start_server(side: str, port: int, threads: int, model_dir: str) -> subproce
             time.sleep(0.5)
     server.kill()
     raise SystemExit(f"{side} did not answer within 600 s")
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    """Stop a server as Ctrl-C would, then whatever of its session is left."""
+    server.terminate()
+    try:
+        server.wait(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
+    time.sleep(2)  # the killed processes release their cores and memory
 
 
 def request_of(side: str, role: str) -> tuple[str, list[dict]]:
@@ -149,8 +167,7 @@ def main() -> int:
                     rows.append({"round": r, **asyncio.run(load(side, port, c, args.requests_per_client, args.tokens))})
                     print(json.dumps(rows[-1]), flush=True)
             finally:
-                server.terminate()
-                server.wait(timeout=60)
+                stop_server(server)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=1))
     print(f"\n{args.tokens}-token replies, srpo's server at {args.threads} threads\n")

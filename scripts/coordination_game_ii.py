@@ -41,6 +41,7 @@ there (a batch cut by a stop runs again).
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import statistics
@@ -707,7 +708,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("command", choices=["run", "report", "time", "cells"])
+    p.add_argument("command", choices=["run", "report", "time", "cells", "archive"])
     p.add_argument("--study", required=True, type=Path)
     p.add_argument("--shard", default="1/1")
     p.add_argument("--out", type=Path, help="`report`: where to write (default: the study's output_dir)")
@@ -731,6 +732,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         i, n = (int(x) for x in args.shard.split("/"))
         run_study(decl, out, (i, n))
+        return 0
+    if args.command == "archive":  # every run's own metrics, without its curves: what `report` reads
+        dest = args.out or out
+        dest.mkdir(parents=True, exist_ok=True)
+        kept = [{k: v for k, v in r.items() if not isinstance(v, list)} for r in read_all(args.runs or out)]
+        with gzip.open(dest / "runs.jsonl.gz", "wt") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+        print(f"{len(kept)} runs → {dest / 'runs.jsonl.gz'}")
         return 0
     result = report(decl, args.runs or out)
     dest = args.out or out
