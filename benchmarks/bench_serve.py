@@ -15,9 +15,10 @@ time, the median time to the first content delta, and the p50 / p99 time to the 
     python benchmarks/bench_serve.py --clients 1,8,32                                   # srpo's engine
     python benchmarks/bench_serve.py --sides srpo-builtin,srpo-vllm,vllm-serve --rounds 2  # all three (make test-vllm first)
 
-The sides alternate within each round.  srpo's engine batches the requests waiting when a batch
-starts (a 10 ms window); a request that arrives while a batch generates waits for it to end
-(static batching).  vLLM schedules continuously (a request joins at the next step).
+The sides alternate within each round.  All three schedule continuously (a request joins the
+running batch at the next token step).  Both vLLM sides run the engine in ``--vllm-dtype``
+(bfloat16; srpo's through ``--set rollout.dtype``, which otherwise follows the model's float32
+weights); srpo's own engine samples with the model's float32 weights.
 """
 
 from __future__ import annotations
@@ -48,26 +49,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_command(side: str, port: int, threads: int, model_dir: str) -> tuple[list[str], dict]:
-    """The command line and environment that start ``side``'s server on ``port``."""
+def server_command(side: str, port: int, threads: int, model_dir: str,
+                   vllm_dtype: str = "bfloat16") -> tuple[list[str], dict]:
+    """The command line and environment that start ``side``'s server on ``port``; both vLLM sides
+    run their engine in ``vllm_dtype`` (srpo's through ``rollout.dtype``: by default it follows
+    the model's float32 weights)."""
     # vLLM on CPU: the same KV-cache size for both vLLM sides, every core bound
     env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"}
     if side == "vllm-serve":
         # `vllm serve`'s own module: the `vllm` script looks up a distribution named vllm, and
         # vllm-cpu's is named vllm-cpu
         return [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(port),
-                "--dtype", "bfloat16", "--max-model-len", "4096", "--served-model-name", "team"], env
+                "--dtype", vllm_dtype, "--max-model-len", "4096", "--served-model-name", "team"], env
     python = sys.executable if side == "srpo-builtin" else str(VLLM_PYTHON)
     return [python, "-m", "srpo.apps.cli", "serve", "--model", "smollm2-135m", "--workflow", "parallel_aggregate",
             "--options", json.dumps({"num_workers": 2}), "--port", str(port), "--threads", str(threads),
-            "--engine", "builtin" if side == "srpo-builtin" else "vllm"], env
+            "--engine", "builtin" if side == "srpo-builtin" else "vllm"]
+            + ([] if side == "srpo-builtin" else ["--set", f"rollout.dtype={vllm_dtype}"]), env
 
 
-def start_server(side: str, port: int, threads: int, model_dir: str) -> subprocess.Popen:
+def start_server(side: str, port: int, threads: int, model_dir: str, vllm_dtype: str) -> subprocess.Popen:
     """``side``'s server, waited for until it answers ``/v1/models``."""
     import urllib.request
 
-    cmd, env = server_command(side, port, threads, model_dir)
+    cmd, env = server_command(side, port, threads, model_dir, vllm_dtype)
     # Its own session: stopping it takes its engine processes with it (a vLLM engine core left
     # behind keeps a core busy and slows the next server measured).
     # Its log goes to a file: a pipe nobody reads fills up and stalls the server mid-measurement.
@@ -151,6 +156,7 @@ def main() -> int:
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--vllm-dtype", default="bfloat16", help="the engine dtype of both vLLM sides")
     ap.add_argument("--out", default="runs/bench_serve.json")
     args = ap.parse_args()
     from srpo.policies.models import converted_checkpoint
@@ -160,7 +166,7 @@ def main() -> int:
     for r in range(args.rounds):
         for side in args.sides.split(","):
             port = free_port()
-            server = start_server(side, port, args.threads, model_dir)
+            server = start_server(side, port, args.threads, model_dir, args.vllm_dtype)
             try:
                 asyncio.run(load(side, port, 1, 1, 4))  # warm-up
                 for c in map(int, args.clients.split(",")):
