@@ -62,10 +62,10 @@ def server_command(side: str, port: int, threads: int, model_dir: str,
         return [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(port),
                 "--dtype", vllm_dtype, "--max-model-len", "4096", "--served-model-name", "team"], env
     python = sys.executable if side == "srpo-builtin" else str(VLLM_PYTHON)
-    return [python, "-m", "srpo.apps.cli", "serve", "--model", "smollm2-135m", "--workflow", "parallel_aggregate",
+    return ([python, "-m", "srpo.apps.cli", "serve", "--model", "smollm2-135m", "--workflow", "parallel_aggregate",
             "--options", json.dumps({"num_workers": 2}), "--port", str(port), "--threads", str(threads),
             "--engine", "builtin" if side == "srpo-builtin" else "vllm"]
-            + ([] if side == "srpo-builtin" else ["--set", f"rollout.dtype={vllm_dtype}"]), env
+            + ([] if side == "srpo-builtin" else ["--set", f"rollout.dtype={vllm_dtype}"])), env
 
 
 def start_server(side: str, port: int, threads: int, model_dir: str, vllm_dtype: str) -> subprocess.Popen:
