@@ -263,7 +263,10 @@ def test_a_preempted_study_stops_its_cell_s_process_at_a_checkpoint_and_continue
     import sys
     import time
 
-    study = _one_cell_study(tmp_path, {"steps": 60, "threads": 1}, {"name": "single", "max_new_tokens": 4})
+    # Steps of the tiny model take ~7 ms: the cell must still be running when the signal has been
+    # passed on, so it has far more steps than it runs before the signal (it stops at the next).
+    STEPS = 300
+    study = _one_cell_study(tmp_path, {"steps": STEPS, "threads": 1}, {"name": "single", "max_new_tokens": 4})
     srpo_cli = [sys.executable, "-m", "srpo.apps.cli", "study", "--config", str(study)]
     metrics = tmp_path / "out" / "srpo" / "seed0" / "metrics.jsonl"
     proc = subprocess.Popen(srpo_cli, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -276,12 +279,12 @@ def test_a_preempted_study_stops_its_cell_s_process_at_a_checkpoint_and_continue
     stopped_at = len(metrics.read_text().splitlines())
     assert proc.returncode == 143, f"exit {proc.returncode} after {stopped_at} steps\n{out[-1000:]}\n{err[-3000:]}"
     assert (tmp_path / "out" / "srpo" / "seed0" / "checkpoints" / "latest").exists()
-    assert 2 <= stopped_at < 60
+    assert 2 <= stopped_at < STEPS
     done = subprocess.run([*srpo_cli[:3], "-v", *srpo_cli[3:]], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"at step {stopped_at}" in done.stderr and "resumed from" in done.stderr  # the cell's process logs it
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
-    assert steps == list(range(1, 61)), "every step once"
+    assert steps == list(range(1, STEPS + 1)), "every step once"
 
 
 def test_a_base_that_evaluates_during_training_makes_cells_that_do_not_unless_the_study_keeps_it(tmp_path):
