@@ -311,6 +311,7 @@ def _serve(args) -> int:
     from srpo.config import apply_overrides
     from srpo.gateway.backends import ServeBackend
     from srpo.gateway.server import serve_forever
+    from srpo.rollout.vllm import engine_dtype
 
     data, checkpoint, saved = _model_config(args)
     _refuse_folder_code(args, saved, data, {"rollout.engine": args.engine}, serving=True)
@@ -337,6 +338,9 @@ def _serve(args) -> int:
                  else "max_tokens as asked")
         print(f"serving {', '.join(backend.roles)} ({args.model}) at http://{host}:{port}/v1 — {limit}; "
               f"Ctrl-C stops", flush=True)
+        if cfg.rollout.engine == "vllm" and engine_dtype(cfg) == "float32":
+            print("vLLM's engine runs in float32 (the model's dtype, as training needs); "
+                  "--set rollout.dtype=bfloat16 serves in bf16, as `vllm serve` does", flush=True)
 
     try:  # a port in use is a ServeError: one error line (main)
         serve_forever(backend, args.host, args.port, ready=ready,
