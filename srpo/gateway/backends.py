@@ -290,8 +290,9 @@ class ServeBackend:
         if self._queue is None:  # created on the server's loop, at the first request
             self._queue = asyncio.Queue()
             open_team = getattr(self.engine, "decode_team", None)
-            if open_team is not None and open_team() is not None:
-                self._scheduler = ContinuousScheduler(open_team, loop, self.generator, max_batch=self.max_batch,
+            team = open_team() if open_team is not None else None
+            if team is not None:
+                self._scheduler = ContinuousScheduler(team, open_team, loop, self.generator, max_batch=self.max_batch,
                                                       autocast=self.autocast, stats=self.stats)
             else:
                 self._batcher = loop.create_task(self._serve())

@@ -40,7 +40,8 @@ class ContinuousScheduler:
     """Feeds requests into a team's running decode batches as they arrive.
 
     Args:
-        open_team: makes a fresh ``TeamDecode`` (again after a failed step: its state is unknown).
+        team: the team's decode batches (a ``TeamDecode``), empty.
+        open_team: makes a fresh one (after a failed step: the old one's state is unknown).
         loop: the server's event loop, where the futures live.
         generator: seeds the draws.
         max_batch: most rows decoding at once; further requests wait for rows to finish.
@@ -48,9 +49,10 @@ class ContinuousScheduler:
         stats: the backend's counters (``generated``).
     """
 
-    def __init__(self, open_team, loop: asyncio.AbstractEventLoop, generator: torch.Generator, *, max_batch: int,
-                 autocast=None, stats: dict | None = None):
-        self.open_team, self.loop, self.generator, self.max_batch = open_team, loop, generator, max_batch
+    def __init__(self, team, open_team, loop: asyncio.AbstractEventLoop, generator: torch.Generator, *,
+                 max_batch: int, autocast=None, stats: dict | None = None):
+        self.team, self.open_team, self.loop = team, open_team, loop
+        self.generator, self.max_batch = generator, max_batch
         self.autocast = autocast or contextlib.nullcontext()
         self.stats = stats if stats is not None else {}
         self.reply_s = 1.0  # how long the last reply took from joining to its end: what Retry-After is estimated from
@@ -68,7 +70,7 @@ class ContinuousScheduler:
         self._inbox.put(None)
 
     def _run(self) -> None:
-        team = self.open_team()
+        team = self.team
         pending: collections.deque = collections.deque()  # (request, future), first come first served
         live: dict = {}  # handle → (future, when it joined)
         with torch.no_grad(), self.autocast:
@@ -85,7 +87,7 @@ class ContinuousScheduler:
                     for fut, _ in live.values():
                         self.loop.call_soon_threadsafe(_settle, fut, None, err)
                     live.clear()
-                    team = self.open_team()  # the batches' state is unknown: start them afresh
+                    team = self.team = self.open_team()  # the batches' state is unknown: start afresh
 
     def _step(self, team, live: dict) -> None:
         """One token step; the replies that ended go to their futures."""
