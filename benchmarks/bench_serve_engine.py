@@ -1,8 +1,8 @@
 """Benchmark 22, the engine alone: srpo's serving loop on vLLM's engine against ``LLM.generate`` on
 the same requests, without HTTP — where the time of ``srpo serve --engine vllm`` goes.
 
-N requests of the demo's prompt (SmolLM2-135M, bf16 engine, 64 tokens at temperature 1) are
-answered once by ``LLM.generate`` (srpo's ``VLLMRollout.generate``) and once by the loop
+N requests of benchmark 22's user prompt, without a system prompt (SmolLM2-135M, bf16 engine,
+64 tokens at temperature 1) are answered once by ``LLM.generate`` (srpo's ``VLLMRollout.generate``) and once by the loop
 ``srpo serve`` runs (``decode_team()``: every request added, then engine steps until all are done,
 each token reported to a callback as a streamed reply's is); tokens per second of each, alternating.
 
@@ -25,6 +25,7 @@ def main() -> int:
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
+    from bench_serve import PROMPT  # benchmark 22's prompt (this folder is on the path when run as a script)
     from srpo.policies.layouts import build_policies
     from srpo.rollout.vllm import EngineSettings, VLLMRollout
     from srpo.types import GenerationRequest, SamplingParams
@@ -32,7 +33,7 @@ def main() -> int:
     policies = build_policies("shared", "smollm2-135m", ["a"])
     engine = VLLMRollout(policies, "smollm2-135m", dtype="bfloat16", seed=0, settings=EngineSettings())
     ids = policies.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}],
+        [{"role": "user", "content": PROMPT}],
         add_generation_prompt=True, tokenize=True)
     ids = list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
     params = SamplingParams(temperature=1.0, max_new_tokens=args.tokens)
