@@ -30,7 +30,7 @@ def run(ckpt: bool, steps: int, threads: int, folder: Path) -> dict:
     cfg["run"].update({"output_dir": str(folder), "steps": steps, "threads": threads})
     cfg["train"]["activation_checkpointing"] = ckpt
     cfg["task"]["eval"] = []
-    cfg.setdefault("log", {})["tensorboard"] = False
+    cfg.setdefault("log", {})["backends"] = []
     path = folder.with_suffix(".yaml")
     path.write_text(json.dumps(cfg))  # JSON is YAML
     out = subprocess.run([sys.executable, "-m", "srpo.apps.cli", "train", "--config", str(path), "--overwrite"],

@@ -15,8 +15,9 @@ optimizer, activations, allocator caches), each against TRL's.  Needs `pip insta
 (not a dependency of srpo).
 
     python benchmarks/bench_vs_trl.py --steps 8 --rounds 2 --threads 2
-    python benchmarks/bench_vs_trl.py --profile --steps 3   # where one srpo step (every event forwarded) goes,
-                                                            # and what its matmuls and attention alone take
+    python benchmarks/bench_vs_trl.py --profile --steps 5   # where one srpo step goes (every event forwarded,
+                                                            # and by default) against what its matmuls and
+                                                            # attention alone take
 """
 
 from __future__ import annotations
@@ -72,41 +73,45 @@ def run_ours(steps: int, threads: int, skip_zero_advantage: bool = True, profile
         return tasks
 
     trainer.next_tasks = recorded_next_tasks
-    if profile:  # the warm-up steps, then one step under torch's profiler: where a step's time goes
-        from torch.profiler import ProfilerActivity, profile as torch_profile, record_function
-
-        trainer.fit(steps - 1)
-        update, rollout = trainer.update, trainer.rollout
-
-        def labelled(fn, name):
-            def run(*a, **k):
-                with record_function(name):
-                    return fn(*a, **k)
-            return run
-
-        trainer.update, trainer.rollout = labelled(update, "## update"), labelled(rollout, "## rollout")
-        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-            history = [trainer.train_step()]
-        averages = prof.key_averages()
-        print(averages.table(sort_by="cpu_time_total", row_limit=45, max_name_column_width=60))
-        # What the step's arithmetic alone costs at these kernels' speed: the floor that no removal
-        # of the other operations (casts, norms, dispatch, Python) can go below.
-        kernel_s = {kind: sum(e.self_cpu_time_total for e in averages if e.key in names) / 1e6
-                    for kind, names in FLOOR_KERNELS.items()}
-        step_s, tokens = history[0]["time/step_s"], history[0]["team_tokens"]
-        floor = sum(kernel_s.values())
-        print(f"\none profiled step: {step_s:.2f} s, {tokens} completion tokens; its kernels' own time: "
-              + ", ".join(f"{kind} {t:.2f} s" for kind, t in kernel_s.items())
-              + f" → {floor:.2f} s ({1e3 * floor / tokens:.2f} ms per completion token) if nothing else ran")
-        return {}
+    if profile:
+        return _profile_steps(trainer, steps)
     history = trainer.fit()
-    return {"step_s": [h["time/step_s"] for h in history],
+    return {"step_s": [h["time/step_s"] for h in history], "team_tokens": [h["team_tokens"] for h in history],
             "rollout_s": [h["time/rollout_s"] for h in history], "update_s": [h["time/update_s"] for h in history],
             "completion_tokens": [h["team_tokens"] / (PROMPTS_PER_STEP * SAMPLES) for h in history],
             "reward": [h["reward"] for h in history],
             "zero_advantage_skipped": [h["update/zero_advantage_skipped"] for h in history],
             "questions": questions}
 
+
+def _profile_steps(trainer, steps: int) -> dict:
+    """A warm-up step, then steps 2 .. ``steps`` each under torch's profiler: where a step's time
+    goes, and what its arithmetic alone takes (the own time of the :data:`FLOOR_KERNELS`) — the
+    floor that no removal of the other operations (casts, norms, dispatch, Python) can go below.
+    Per profiled step: its (profiled) seconds, completion tokens and kernel seconds by kind; and the
+    last step's table."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile, record_function
+
+    trainer.fit(1)
+    update, rollout = trainer.update, trainer.rollout
+
+    def labelled(fn, name):
+        def run(*a, **k):
+            with record_function(name):
+                return fn(*a, **k)
+        return run
+
+    trainer.update, trainer.rollout = labelled(update, "## update"), labelled(rollout, "## rollout")
+    profiled = []
+    while trainer.step < steps:
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            history = trainer.train_step()
+        averages = prof.key_averages()
+        profiled.append({"step_s": history["time/step_s"], "tokens": history["team_tokens"],
+                         "kernel_s": {kind: sum(e.self_cpu_time_total for e in averages if e.key in names) / 1e6
+                                      for kind, names in FLOOR_KERNELS.items()}})
+    return {"steps": profiled,
+            "table": averages.table(sort_by="cpu_time_total", row_limit=45, max_name_column_width=60)}
 
 def run_trl(steps: int, threads: int) -> dict:
     import torch
@@ -165,20 +170,70 @@ SIDES = {
     "trl": ("TRL 1.16 GRPOTrainer (bf16, static cache)", run_trl),
 }
 
+# --profile: label → (the child that profiles each step, the child that times the same steps unprofiled).
+PROFILED = {"every event forwarded": ("profile_forward_all", "ours_forward_all"),
+            "by default": ("profile_default", "ours")}
+PROFILE_CHILDREN = {"profile_forward_all": False, "profile_default": True}  # child → skip_zero_advantage
+
+
+def profile_both(steps: int, threads: int, out: str) -> None:
+    """``--profile``: srpo's step time per completion token against its arithmetic floor, every
+    event forwarded and by default.  For each, two fresh processes run the same ``steps`` steps
+    (the same problems, seeds and weights): one profiles every step after the first (the floor:
+    its matmul and attention kernels' own time), the other runs unprofiled (the step's time: the
+    profiler adds its own cost to every operation it records).  Each step's ratio pairs the two
+    runs' same step, per completion token (at more than one thread their completions may differ
+    slightly); reported: the median over steps 2 .. ``steps`` and the range, the profiled steps'
+    own ratio beside it, and the last step's profile."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    summary = {}
+    print(f"torch threads {threads}; {os.cpu_count()} CPUs; steps 2–{steps} of each run\n")
+    print("| srpo | floor: matrix products + attention, ms per token | step, profiled: ms per token | "
+          "profiled / floor | step, unprofiled: ms per token | **unprofiled / floor** (range) | steps with equal tokens |\n"
+          "|---|---:|---:|---:|---:|---:|---:|")
+    tables = {}
+    for label, (profile_child, timed_child) in PROFILED.items():
+        prof = run_child([__file__, "--child", profile_child, "--steps", steps, "--threads", threads], env=env,
+                         what=f"the profile ({label})")
+        timed = run_child([__file__, "--child", timed_child, "--steps", steps, "--threads", threads], env=env,
+                          what=f"the timed run ({label})")
+        tables[label] = prof["table"]
+        pairs = list(zip(prof["steps"], timed["step_s"][1:], timed["team_tokens"][1:]))
+        floor = [1e3 * sum(p["kernel_s"].values()) / p["tokens"] for p, _, _ in pairs]
+        profiled = [1e3 * p["step_s"] / p["tokens"] for p, _, _ in pairs]
+        unprofiled = [1e3 * s / n for _, s, n in pairs]
+        ratios = [u / f for u, f in zip(unprofiled, floor)]
+        parts = " + ".join(f"{statistics.median(1e3 * p['kernel_s'][kind] / p['tokens'] for p, _, _ in pairs):.2f}"
+                           for kind in FLOOR_KERNELS)
+        equal = sum(p["tokens"] == n for p, _, n in pairs)
+        print(f"| {label} | {parts} = {statistics.median(floor):.2f} | {statistics.median(profiled):.2f} | "
+              f"{statistics.median(p / f for p, f in zip(profiled, floor)):.2f}× | {statistics.median(unprofiled):.2f} | "
+              f"**{statistics.median(ratios):.2f}×** ({min(ratios):.2f}–{max(ratios):.2f}) | {equal} of {len(pairs)} |")
+        summary[label] = {"profiled_steps": prof["steps"], "timed_step_s": timed["step_s"][1:],
+                          "timed_tokens": timed["team_tokens"][1:], "ratios": ratios}
+    for label, table in tables.items():
+        print(f"\n## srpo, {label}: the last profiled step\n\n{table}")
+    if out:
+        with open(out, "w") as f:
+            json.dump(summary, f, indent=1)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--child", choices=list(SIDES))
+    ap.add_argument("--child", choices=[*SIDES, *PROFILE_CHILDREN])
     ap.add_argument("--out", default="")
     ap.add_argument("--profile", action="store_true",
-                    help="profile one step of srpo with every event forwarded (after steps − 1 warm-up steps) and exit")
+                    help="srpo's step time per completion token against its arithmetic floor, every event forwarded "
+                         "and by default: each step profiled in one process and timed in another")
     args = ap.parse_args()
     if args.profile:
-        os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-        run_ours(args.steps, args.threads, skip_zero_advantage=False, profile=True)
+        profile_both(args.steps, args.threads, args.out)
+        return
+    if args.child in PROFILE_CHILDREN:
+        report(run_ours(args.steps, args.threads, skip_zero_advantage=PROFILE_CHILDREN[args.child], profile=True))
         return
     if args.child:
         import resource

@@ -45,6 +45,17 @@ def _head_logits(hidden, weight, bias, inv_temp, softcap, dtype):
     return logits.mul_(inv_temp), squashed
 
 
+def _logsumexp_with_buffer(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, V) → the (N,) ``torch.logsumexp(logits, -1)``, computed by the same operations as
+    PyTorch's own (the same bits), and the (N, V) buffer it used for exp(logits − max), handed
+    back for the caller to reuse: each fresh (N, V) float32 tensor costs its page faults again
+    (glibc serves blocks ≥ 8 MiB by mmap here, srpo.policies.activation_checkpointing)."""
+    maxes = logits.amax(-1, keepdim=True)
+    maxes.masked_fill_(maxes.abs() == float("inf"), 0)
+    buffer = torch.sub(logits, maxes).exp_()
+    return buffer.sum(-1).log_().add_(maxes.squeeze(-1)), buffer
+
+
 class _HeadLogProb(torch.autograd.Function):
     """log softmax(W·h / T)[target] for a chunk of positions, and the entropy of that distribution.
 
@@ -58,11 +69,11 @@ class _HeadLogProb(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, targets, weight, bias, inv_temp, softcap, dtype, keep):
         logits, squashed = _head_logits(hidden, weight, bias, inv_temp, softcap, dtype)
-        lse = torch.logsumexp(logits, dim=-1)  # (N,)
+        lse, probs = _logsumexp_with_buffer(logits)  # (N,), and a free (N, V) buffer
         logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
         logits.sub_(lse[:, None])  # now log q over the vocabulary
-        probs = logits.exp()
-        entropy = -(probs * logits).sum(-1)
+        torch.exp(logits, out=probs)
+        entropy = logits.mul_(probs).sum(-1).neg_()  # −Σ q log q; the log q are not needed after it
         # keep: hold q (and the softcap's tanh) for the backward instead of recomputing the chunk's
         # logits — one vocabulary matmul less, for the memory of one (N, V) float32 tensor.
         kept = (probs, squashed) if keep else (None, None)
@@ -77,7 +88,9 @@ class _HeadLogProb(torch.autograd.Function):
         softcap, dtype = ctx.softcap, ctx.dtype
         # d logp / d logits = onehot(target) − softmax, times the incoming gradient.
         if ctx.keep:
-            grad_logits = probs * -grad_logp[:, None]
+            # In place: the kept probabilities serve this one backward (a second one would be
+            # refused by autograd's check of the saved tensor's version).
+            grad_logits = probs.mul_(-grad_logp[:, None])
         else:
             grad_logits, squashed = _head_logits(hidden, weight, bias, inv_temp, softcap, dtype)
             grad_logits.sub_(lse[:, None]).exp_().mul_(-grad_logp[:, None])

@@ -10,7 +10,7 @@ import torch
 from srpo.events import Event, Member, collate
 from srpo.policies import LoraSettings, ModelLoadError, build_policies, load_model
 from srpo.policies import models as registry
-from srpo.policies.logprobs import LogprobPass, completion_logprobs, completion_logprobs_plain
+from srpo.policies.logprobs import LogprobPass, _chunk_logprobs, completion_logprobs, completion_logprobs_plain
 from srpo.types import GenerationRequest, SamplingParams
 from srpo.policies.sampling import sample
 
@@ -190,6 +190,22 @@ def test_chunked_logprobs_equal_plain(model_name, softcap):
         assert torch.all(x[mask == 0] == 0)
         for n in gx:
             assert torch.allclose(gx[n], gb[n], atol=1e-5, rtol=1e-4), n
+
+
+def test_head_keeps_its_probabilities_for_one_backward_only():
+    """The backward turns the kept probabilities into the gradient in place (no second (N, V)
+    tensor): a second backward through the same graph is refused, never computed from them."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(6, 8, generator=g, requires_grad=True)
+    weight = torch.randn(11, 8, generator=g, requires_grad=True)
+    targets = torch.randint(0, 11, (6,), generator=g)
+    out = _chunk_logprobs(hidden, targets, weight, None, 1.0, None, keep=True)
+    logq = torch.log_softmax(hidden @ weight.t(), -1)
+    assert torch.allclose(out[:, 0], logq.gather(-1, targets[:, None]).squeeze(-1), atol=1e-6)
+    assert torch.allclose(out[:, 1], -(logq.exp() * logq).sum(-1), atol=1e-6)  # the entropy
+    out[:, 0].sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out[:, 0].sum().backward()
 
 
 @pytest.mark.parametrize("model_name", ["tiny-llama", "tiny-qwen2"])
