@@ -58,7 +58,7 @@ def child(work: str, groups: int, overhead: int) -> None:
         cfg["run"].update({"output_dir": tempfile.mkdtemp(), "steps": 5, "threads": 2})
         cfg["train"]["length_groups"] = groups
         cfg["task"]["eval"] = []
-        cfg.setdefault("log", {})["tensorboard"] = False
+        cfg.setdefault("log", {})["backends"] = []
         cfg.setdefault("checkpoint", {})["every"] = 0
         trainer = Trainer(srpo.build.config_from_dict(cfg), progress=False)
         trainer.save = lambda: None

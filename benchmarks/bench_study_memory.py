@@ -37,7 +37,7 @@ def study_file(folder: Path, cells: int, steps: int, threads: int, model: str, i
     base["model"]["name"] = model
     base["run"].update({"steps": steps, "threads": threads})
     base["task"]["eval"] = []
-    base.setdefault("log", {})["tensorboard"] = False
+    base.setdefault("log", {})["backends"] = []
     base.setdefault("checkpoint", {})["every"] = 0
     (folder / "base.yaml").write_text(json.dumps(base))
     study = {"output_dir": str(folder / "out"), "base": "base.yaml", "keep_checkpoints": False,
