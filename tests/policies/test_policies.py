@@ -10,7 +10,8 @@ import torch
 from srpo.events import Event, Member, collate
 from srpo.policies import LoraSettings, ModelLoadError, build_policies, load_model
 from srpo.policies import models as registry
-from srpo.policies.logprobs import LogprobPass, _chunk_logprobs, completion_logprobs, completion_logprobs_plain
+from srpo.policies.logprobs import (LogprobPass, _chunk_logprobs, _logsumexp_with_buffer, completion_logprobs,
+                                    completion_logprobs_plain)
 from srpo.types import GenerationRequest, SamplingParams
 from srpo.policies.sampling import sample
 
@@ -206,6 +207,12 @@ def test_head_keeps_its_probabilities_for_one_backward_only():
     out[:, 0].sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out[:, 0].sum().backward()
+    # Its log-normaliser is torch.logsumexp's, bit for bit (rows of -inf and +inf included).
+    logits = torch.randn(4, 3000, generator=g) * 5
+    logits[1] = float("-inf")
+    logits[2, :3] = float("inf")
+    lse, _ = _logsumexp_with_buffer(logits)
+    assert torch.equal(lse.nan_to_num(), torch.logsumexp(logits, -1).nan_to_num())
 
 
 @pytest.mark.parametrize("model_name", ["tiny-llama", "tiny-qwen2"])
