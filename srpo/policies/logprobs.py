@@ -182,7 +182,7 @@ def _select_cache(cache, rows: torch.Tensor, model):
 
     selected = _new_cache(DynamicCache, model)
     for i, layer in enumerate(cache.layers):
-        selected.update(layer.keys[rows], layer.values[rows], i)
+        selected.update(layer.keys.index_select(0, rows), layer.values.index_select(0, rows), i)
     return selected
 
 
@@ -241,7 +241,8 @@ def _prediction_states(model, input_ids, attention_mask, P: int, share_prompts: 
             cache = _select_cache(prompt_cache, inverse[g], model)
             out = backbone(inputs_embeds=embeds[g, P:P + Lg], attention_mask=attention_mask[g, :P + Lg],
                            position_ids=positions[g, P:P + Lg], use_cache=True, **{cache_kw: cache})
-            states = torch.cat([last_prompt_state[inverse[g]][:, None], out.last_hidden_state[:, :Lg - 1]], dim=1)
+            states = torch.cat([last_prompt_state.index_select(0, inverse[g])[:, None], out.last_hidden_state[:, :Lg - 1]],
+                               dim=1)
         else:
             # Drop the left columns that are padding for every row of the group (keep column P − 1,
             # which predicts the first completion token).
