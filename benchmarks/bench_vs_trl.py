@@ -185,6 +185,8 @@ def profile_both(steps: int, threads: int, out: str) -> None:
     runs' same step, per completion token (at more than one thread their completions may differ
     slightly); reported: the median over steps 2 .. ``steps`` and the range, the profiled steps'
     own ratio beside it, and the last step's profile."""
+    if steps < 2:
+        raise SystemExit("--profile needs --steps ≥ 2: a warm-up step, then the steps it profiles and times")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     summary = {}
     print(f"torch threads {threads}; {os.cpu_count()} CPUs; steps 2–{steps} of each run\n")
