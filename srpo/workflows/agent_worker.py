@@ -148,6 +148,7 @@ def main(fd: int) -> None:
             sys.path[:] = list(dict.fromkeys(list(sys_path) + sys.path))
             os.chdir(cwd)
             _ensure_srpo_tasks(srpo_dir)
+            from srpo.workflows.ssl_reuse import share_default_ssl_context  # importable now, whatever the interpreter
             try:
                 program = load_entry(entry)
             except EntryError as err:
@@ -156,6 +157,7 @@ def main(fd: int) -> None:
             conn.send(("ready",))
         elif message[0] == "run":
             _, task, base_url = message
+            share_default_ssl_context()  # a client built per episode skips parsing the CA bundle again
             try:
                 reply: tuple = ("ok", _portable(_run(program, loop, task, base_url)))
             except BaseException as err:  # noqa: BLE001 — the program's failure is its episode's, reported

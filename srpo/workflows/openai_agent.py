@@ -202,11 +202,13 @@ class OpenAIAgent(Workflow):
         import contextvars
 
         from srpo.gateway import attribution
+        from srpo.workflows import ssl_reuse
 
         loop = asyncio.get_running_loop()
         token = gateway.open(backend)
         url = gateway.url(token)
         attribution.install(url.split("/e/")[0])
+        ssl_reuse.share_default_ssl_context()  # a client built per episode skips parsing the CA bundle again
         backend.entry = self.entry
         stamp = attribution.CALLER.set(token)  # this task's context (and what it copies) calls as this episode
         try:

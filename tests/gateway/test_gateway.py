@@ -421,6 +421,45 @@ def test_a_program_that_returns_an_object_gets_the_same_message_in_a_worker_or_a
         assert len(pool._idle) == 1 and pool._idle[0].alive(), "the worker that sent the name is kept"
 
 
+@pytest.mark.parametrize("isolation", ["process", "thread"])
+def test_clients_built_per_episode_share_one_ssl_context(isolation):
+    """Building an OpenAI client is mostly parsing the CA bundle (~20 ms): a program's clients, one
+    per episode, share the default context (srpo.workflows.ssl_reuse)."""
+    from srpo.policies.scripted import ScriptedPolicies
+    from srpo.workflows.builtins import build_workflow
+    from srpo.workflows.runtime import Runtime
+
+    answers = []
+    agent = build_workflow("openai_agent", entry=f"{TEAMS}:reports_its_ssl_context", roles=["solver"],
+                           isolation=isolation, max_workers=1)
+    runtime = Runtime(BuiltinEngine(ScriptedPolicies(_script, ["solver"])), agent.default_role_specs(),
+                      lambda t, a: answers.append(a) or 1.0)
+    for i in range(3):  # one after another: the second and third episodes build theirs after the first's
+        runtime.run(agent, [(f"e{i}", TASKS[i])])
+    assert len(answers) == 3 and len(set(answers[1:])) == 1, answers
+
+
+def test_shared_ssl_contexts_keep_what_a_client_asks_for(monkeypatch):
+    import ssl
+
+    import certifi
+
+    from srpo.workflows.ssl_reuse import share_default_ssl_context
+
+    share_default_ssl_context()
+
+    def context(client):
+        return client._transport._pool._ssl_context
+    default = context(httpx.Client())
+    assert context(httpx.Client()) is default and context(httpx.AsyncClient()) is default  # same ALPN: one context
+    assert context(httpx.Client(verify=False)).verify_mode == ssl.CERT_NONE
+    own = ssl.create_default_context()
+    assert context(httpx.Client(verify=own)) is own
+    assert context(httpx.Client(trust_env=False)) is not default
+    monkeypatch.setenv("SSL_CERT_FILE", certifi.where())
+    assert context(httpx.Client()) is not default
+
+
 def test_a_program_may_return_its_own_reward():
     from srpo.policies.scripted import ScriptedPolicies
     from srpo.workflows.builtins import build_workflow

@@ -356,3 +356,14 @@ async def agents_sdk_structured(task, url, api="responses"):
 
 async def agents_sdk_structured_chat(task, url):
     return await agents_sdk_structured(task, url, api="chat_completions")
+
+
+_KEPT_CLIENTS = []  # alive, so that no two contexts can share an address
+
+
+def reports_its_ssl_context(task, url):
+    """A client built per episode, as most programs do; answers with its SSL context's identity."""
+    client = _client(url)
+    _KEPT_CLIENTS.append(client)
+    _ask(client, "solver", task.question)
+    return str(id(client._client._transport._pool._ssl_context))
