@@ -97,6 +97,15 @@ def _ensure_srpo_tasks(srpo_dir: str) -> None:
     importlib.import_module("srpo.tasks.base")
 
 
+def _load_sibling(name: str):
+    """A module of this folder, loaded by path: importing it as ``srpo.workflows.<name>`` would run
+    the package's ``__init__``, which imports torch — most of a second and a few hundred MB a worker."""
+    spec = importlib.util.spec_from_file_location(f"srpo_agent_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _die_with_parent() -> None:
     """Linux: the kernel kills this worker when the training process dies (a hung program would
     otherwise outlive it)."""
@@ -148,7 +157,7 @@ def main(fd: int) -> None:
             sys.path[:] = list(dict.fromkeys(list(sys_path) + sys.path))
             os.chdir(cwd)
             _ensure_srpo_tasks(srpo_dir)
-            from srpo.workflows.ssl_reuse import share_default_ssl_context  # importable now, whatever the interpreter
+            share_default_ssl_context = _load_sibling("ssl_reuse").share_default_ssl_context
             try:
                 program = load_entry(entry)
             except EntryError as err:

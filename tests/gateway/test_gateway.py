@@ -437,6 +437,8 @@ def test_clients_built_per_episode_share_one_ssl_context(isolation):
     for i in range(3):  # one after another: the second and third episodes build theirs after the first's
         runtime.run(agent, [(f"e{i}", TASKS[i])])
     assert len(answers) == 3 and len(set(answers[1:])) == 1, answers
+    if isolation == "process":
+        assert all(a.endswith("torch=False") for a in answers), "a worker imports only what its program does"
 
 
 def test_shared_ssl_contexts_keep_what_a_client_asks_for(monkeypatch):

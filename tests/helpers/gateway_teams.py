@@ -362,8 +362,11 @@ _KEPT_CLIENTS = []  # alive, so that no two contexts can share an address
 
 
 def reports_its_ssl_context(task, url):
-    """A client built per episode, as most programs do; answers with its SSL context's identity."""
+    """A client built per episode, as most programs do; answers with its SSL context's identity
+    and whether its process has imported torch."""
+    import sys
+
     client = _client(url)
     _KEPT_CLIENTS.append(client)
     _ask(client, "solver", task.question)
-    return str(id(client._client._transport._pool._ssl_context))
+    return f"{id(client._client._transport._pool._ssl_context)} torch={'torch' in sys.modules}"
