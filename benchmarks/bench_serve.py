@@ -10,7 +10,10 @@ system prompt themselves, as srpo adds it).  Each of C clients (the
 ``openai`` package's async client, streaming) sends requests back to back, ``--requests-per-client``
 each, alternating the roles ``worker_1`` and ``aggregator``, 64-token replies at temperature 1 to a
 prompt that asks for a long answer.  Reported per C: completion tokens per second over the wall
-time, the median time to the first content delta, and the p50 / p99 time to the whole reply.
+time, the median time to the first content delta, and the p50 / p99 time to the whole reply; and
+where the server's CPU went — the CPU seconds per 1,000 completion tokens of each process of the
+server's session (its HTTP front, vLLM's engine core), read from ``/proc`` around the load: on two
+cores whatever the front spends is taken from the engine.
 
     python benchmarks/bench_serve.py --clients 1,8,32                                   # srpo's engine
     python benchmarks/bench_serve.py --sides srpo-builtin,srpo-vllm,vllm-serve --rounds 2  # all three (make test-vllm first)
@@ -128,6 +131,32 @@ async def one_request(client, side: str, role: str, tokens: int) -> dict:
             "latency_s": time.perf_counter() - start, "tokens": count}
 
 
+def session_cpu(session: int) -> dict[int, tuple[str, float]]:
+    """pid → (name, CPU seconds so far) of every process in ``session`` (Linux ``/proc``)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            name = (entry / "comm").read_text().strip()
+        except OSError:  # ended meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # from the state on: field 3 of proc(5) is fields[0]
+        if int(fields[3]) == session:
+            found[int(entry.name)] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return found
+
+
+def cpu_by_process(before: dict, after: dict) -> dict[str, float]:
+    """Process name → the CPU seconds its processes spent between two :func:`session_cpu` readings."""
+    spent: dict[str, float] = {}
+    for pid, (name, total) in after.items():
+        spent[name] = spent.get(name, 0.0) + total - before.get(pid, (name, 0.0))[1]
+    return spent
+
+
 async def load(side: str, port: int, clients: int, per_client: int, tokens: int) -> dict:
     import openai
 
@@ -170,7 +199,12 @@ def main() -> int:
             try:
                 asyncio.run(load(side, port, 1, 1, 4))  # warm-up
                 for c in map(int, args.clients.split(",")):
-                    rows.append({"round": r, **asyncio.run(load(side, port, c, args.requests_per_client, args.tokens))})
+                    before = session_cpu(server.pid)
+                    row = asyncio.run(load(side, port, c, args.requests_per_client, args.tokens))
+                    spent = cpu_by_process(before, session_cpu(server.pid))
+                    kilo_tokens = row["tokens_per_s"] * row["wall_s"] / 1000
+                    row["cpu_s_per_1k_tokens"] = {name: s / kilo_tokens for name, s in sorted(spent.items()) if s > 0}
+                    rows.append({"round": r, **row})
                     print(json.dumps(rows[-1]), flush=True)
             finally:
                 stop_server(server)
@@ -178,10 +212,13 @@ def main() -> int:
     Path(args.out).write_text(json.dumps(rows, indent=1))
     print(f"\n{args.tokens}-token replies, srpo's server at {args.threads} threads\n")
     print("| server | round | clients | requests | completion tokens/s | mean reply tokens | first token p50 (s) | "
-          "latency p50 (s) | latency p99 (s) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "latency p50 (s) | latency p99 (s) | CPU s per 1k tokens, by process |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
+        cpu = ", ".join(f"{name} {s:.2f}" for name, s in r["cpu_s_per_1k_tokens"].items())
         print(f"| {r['side']} | {r['round']} | {r['clients']} | {r['requests']} | {r['tokens_per_s']:.1f} | "
-              f"{r['mean_tokens']:.1f} | {r['ttft_p50_s']:.2f} | {r['latency_p50_s']:.2f} | {r['latency_p99_s']:.2f} |")
+              f"{r['mean_tokens']:.1f} | {r['ttft_p50_s']:.2f} | {r['latency_p50_s']:.2f} | {r['latency_p99_s']:.2f} | "
+              f"{cpu} |")
     return 0
 
 
