@@ -10,8 +10,8 @@ workers and an aggregator, 4 problems × 4 episodes a step, ≤ 24 tokens): srpo
 reading the workers' extracted answers as the built-in's does) trained through the gateway, its
 program in worker processes (``gateway``, the default isolation) and in threads
 (``gateway_thread``), each also with the program keeping one ``OpenAI`` client per process
-(``*_shared_client``: building a client per episode costs about 20 ms of CPU, its SSL context —
-the program's own cost, not the gateway's).  Each side trains ``--steps`` steps in a fresh child process, alternating,
+(``*_shared_client``: building a client cost about 20 ms of CPU, its SSL context, until the
+processes that run programs shared one — ``srpo/workflows/ssl_reuse.py``; now about 0.1 ms).  Each side trains ``--steps`` steps in a fresh child process, alternating,
 ``--rounds`` times.  Per run: the rollout's seconds per team token over steps 2.. (step 1 of a
 program side also starts its workers, reported on its own), and the ratio of the medians to the
 built-in's; and the seconds a step spends outside its sampling calls.  The sides' completions
@@ -41,7 +41,7 @@ SIDES = {
     "gateway_thread": ["workflow.name=openai_agent", "workflow.roles={}",
                        f"workflow.options={{entry: '{PROGRAM}', roles: [worker_1, worker_2, aggregator], "
                        f"isolation: thread}}"],
-    # the same program keeping one client per process (building one costs ~20 ms of CPU)
+    # the same program keeping one client per process
     "gateway_shared_client": ["workflow.name=openai_agent", "workflow.roles={}",
                               f"workflow.options={{entry: '{PROGRAM}_shared_client', "
                               f"roles: [worker_1, worker_2, aggregator]}}"],
