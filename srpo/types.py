@@ -45,6 +45,11 @@ class SamplingParams:
     #: called with each token id as it is drawn, in the sampling thread (streamed replies: srpo's
     #: sampler and the vLLM engine call it; an engine that does not leaves the reply whole)
     on_token: Callable[[int], None] | None = field(default=None, compare=False, repr=False)
+    #: record each drawn token's behaviour log-prob (training needs them); False where nothing reads
+    #: them (``srpo serve``): an engine may then skip them — vLLM's sampler otherwise forms a log-softmax
+    #: over the vocabulary and ranks the drawn token in it every step, and its front builds an object
+    #: per token — and the sample's ``logprobs`` may be empty
+    logprobs: bool = True
 
     def __post_init__(self):
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_new_tokens < 1:

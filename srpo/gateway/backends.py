@@ -321,7 +321,10 @@ class ServeBackend:
                    f"the model's context of {self.context} tokens leaves {cap} after the {len(ids)}-token prompt")
             raise ProtocolError(f"max_tokens is {req.max_tokens}; this server generates at most {cap} here ({why})",
                                 param="max_tokens", code="context_length_exceeded" if not self.max_tokens else None)
-        params = sampling(req, spec, cap if cap is not None else 1 << 30, reply_grammar(req, rendered))
+        # Served replies never carry log-probs (the API's ``logprobs`` is accepted and ignored): the
+        # engine need not form them.
+        params = dataclasses.replace(sampling(req, spec, cap if cap is not None else 1 << 30, reply_grammar(req, rendered)),
+                                     logprobs=False)
         self._refuse_when_busy(req.n)  # again: tokenising took time, others may have queued
         futures = []
         for request in _requests(req, ids, params, on_token):

@@ -365,7 +365,8 @@ class VLLMEngine:
             # samples from its own generator, seeded once at start.
             seeds = [None] * len(params)
         return [SamplingParams(temperature=p.temperature, top_p=p.top_p, max_tokens=p.max_new_tokens,
-                               stop=list(p.stop) or None, include_stop_str_in_output=True, logprobs=0,
+                               stop=list(p.stop) or None, include_stop_str_in_output=True,
+                               logprobs=0 if p.logprobs else None,
                                seed=s, structured_outputs=_structured(p.grammar)) for p, s in zip(params, seeds)]
 
     def generate(self, prompts: list[list[int]], params: list, generator: torch.Generator | None = None,

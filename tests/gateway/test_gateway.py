@@ -607,6 +607,40 @@ def test_a_trained_team_is_served_and_evaluated(tmp_path):
     assert "openai_agent" in out.stdout
 
 
+def test_srpo_serve_asks_its_engine_for_no_logprobs():
+    """Served replies never carry log-probs: the engine is spared forming them (vLLM's sampler would
+    rank every drawn token over the vocabulary); training episodes still record them."""
+    import asyncio
+
+    from srpo.gateway.backends import ServeBackend
+    from srpo.policies.scripted import ScriptedPolicies
+    from srpo.types import RoleSpec
+
+    asked = []
+
+    class Recording(ScriptedPolicies):
+        def generate(self, requests, generator=None):
+            asked.extend(r.params.logprobs for r in requests)
+            return super().generate(requests, generator)
+
+    policies = Recording(lambda role, prompt: "four", ["solver"])
+    backend = ServeBackend(policies, policies, {"solver": RoleSpec("solver")})
+    req = parse_request({"model": "solver", "messages": [{"role": "user", "content": "2 + 2?"}], "n": 2}, chat=True)
+
+    async def go():
+        try:
+            return await backend.complete(req)
+        finally:
+            backend.close()
+    choices, _ = asyncio.run(go())
+    assert [c.text for c in choices] == ["four", "four"] and asked == [False, False]
+    from srpo.workflows.builtins import build_workflow
+
+    results, _ = _run(build_workflow("openai_agent", entry=f"{TEAMS}:single", roles=["solver"]), ["solver"])
+    member = results[0].events[0].members[0]
+    assert len(member.behaviour_logprobs) == len(member.completion_ids) > 0  # training episodes record them
+
+
 def test_srpo_serve_gives_max_tokens_past_the_training_budget_and_refuses_what_it_cannot_give():
     import asyncio
 

@@ -313,6 +313,10 @@ def test_the_engine_reports_tokens_as_it_draws_them(shared_engine):
         assert b.completion_ids == a.completion_ids == seen[i] and b.text == a.text
         assert b.finish_reason == a.finish_reason
         assert torch.allclose(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4)
+    # srpo serve never returns log-probs: the engine is not asked for them, and draws the same tokens
+    served = engine.generate([GenerationRequest("a", p, _replace(greedy, logprobs=False)) for p in prompts])
+    assert [s.completion_ids for s in served] == [a.completion_ids for a in plain]
+    assert all(s.logprobs == [] for s in served)
 
 
 @pytest.mark.xdist_group("shared_engine")  # one worker, one engine (make test-vllm: --dist loadgroup)
