@@ -424,6 +424,11 @@ class RolloutConfig(Section):
     """vllm: the fraction of GPU memory (on CPU: of system memory) the engine reserves."""
     max_model_len: NonNegativeInt = 0
     """vllm: longest prompt + completion (0: workflow.max_prompt_tokens + workflow.max_new_tokens)."""
+    enforce_eager: bool | None = None
+    """vllm: true runs the engine's model eagerly; false compiles it as vLLM's own server does
+    (torch.compile; on CUDA with graph capture too).  None: compiled on CUDA; on CPU eager in
+    training (compiling takes about 30 s there, more than a short run gains) and compiled by
+    ``srpo serve``, a long-lived server (benchmarks/README.md, benchmark 22)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """vllm: the engine's weight dtype (auto: bfloat16 on CUDA when model.autocast_bf16 or
     model.dtype is bfloat16 — the engine samples in the precision the trainer computes in — else

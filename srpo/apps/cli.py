@@ -321,6 +321,9 @@ def _serve(args) -> int:
         data["workflow"]["max_new_tokens"] = args.max_new_tokens
     data.setdefault("task", {}).setdefault("kind", "math")
     apply_overrides(data, args.set)
+    if data.setdefault("rollout", {}).get("enforce_eager") is None:
+        # a server lives long: compile vLLM's model as its own server does (~30 s once on a CPU)
+        data["rollout"]["enforce_eager"] = False
     cfg = config_from_dict(data, training=False)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -264,7 +264,7 @@ def _structured(grammar):
 class EngineSettings:
     gpu_memory_utilization: float = 0.3
     max_model_len: int = 4096
-    enforce_eager: bool | None = None  # None: eager on CPU (no graph capture there)
+    enforce_eager: bool | None = None  # None: eager on CPU (compiling costs ~30 s there), compiled on CUDA
     max_lora_rank: int = 16
     cpu_kv_cache_gib: float | None = None  # CPU only: a fixed KV-cache size instead of a memory fraction
     max_loras: int = 1  # LoRA adapters one batch may mix (the number of policies: no batch runs one at a time)
@@ -653,6 +653,7 @@ class VLLMRollout:
             require_engine_process()
         return cls(policies, cfg.model.name, dtype=engine_dtype(cfg), seed=cfg.run.seed,
                    settings=EngineSettings(cfg.rollout.gpu_memory_utilization, max_len,
+                                           enforce_eager=cfg.rollout.enforce_eager,
                                            max_lora_rank=engine_lora_rank(cfg.model.lora.r),
                                            seed_requests=cfg.rollout.seed_requests,
                                            bucket_bytes=cfg.rollout.sync_bucket_mb << 20,

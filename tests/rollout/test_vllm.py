@@ -67,6 +67,21 @@ def _logprobs_agree_before_and_after_a_step_and_sync(policies, engine, roles):
     return requests, g
 
 
+def test_a_compiled_engine_takes_the_synced_weights():
+    """srpo serve compiles vLLM's model (rollout.enforce_eager unset): the engine starts on dummy
+    weights and is synced — the compiled model must read the weights written into it, not copies
+    taken at compile time."""
+    from dataclasses import replace
+
+    policies = build_policies("shared", "smollm2-135m", ["a"])
+    engine = VLLMRollout(policies, "smollm2-135m", dtype="float32", seed=0, settings=replace(SETTINGS, enforce_eager=False))
+    try:
+        assert engine.engines["shared"].llm.llm_engine.vllm_config.model_config.enforce_eager is False
+        _logprobs_agree_before_and_after_a_step_and_sync(policies, engine, ["a"])
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("layout", ["separate", "lora"])
 def test_engine_logprobs_match_the_trainer_before_and_after_an_optimizer_step_and_sync(layout):
     roles = ["a", "b"]
