@@ -62,7 +62,9 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
     number per vocabulary entry (an exponential race costs ~14 ms per step at (16, 49k) here, this
     ~1 ms).  Zero-weight tokens are never drawn.
     """
-    cdf = probs.double().cumsum(-1)  # float64: the last entries of a 49k-long sum stay exact enough
+    # float64: the last entries of a 49k-long sum stay exact enough.  Cast inside the scan: the same
+    # bits as casting first, without a (B, V) float64 copy (0.46 against 0.88–1.19 ms at (16, 49k)).
+    cdf = torch.cumsum(probs, -1, dtype=torch.float64)
     # Drawn where the generator lives (a CPU generator — the trainer's, whose state checkpoints
     # keep — cannot draw on a GPU), then moved: the same numbers on every device.
     where = generator.device if generator is not None else probs.device
