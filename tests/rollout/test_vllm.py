@@ -67,21 +67,6 @@ def _logprobs_agree_before_and_after_a_step_and_sync(policies, engine, roles):
     return requests, g
 
 
-def test_a_compiled_engine_takes_the_synced_weights():
-    """srpo serve compiles vLLM's model (rollout.enforce_eager unset): the engine starts on dummy
-    weights and is synced — the compiled model must read the weights written into it, not copies
-    taken at compile time."""
-    from dataclasses import replace
-
-    policies = build_policies("shared", "smollm2-135m", ["a"])
-    engine = VLLMRollout(policies, "smollm2-135m", dtype="float32", seed=0, settings=replace(SETTINGS, enforce_eager=False))
-    try:
-        assert engine.engines["shared"].llm.llm_engine.vllm_config.model_config.enforce_eager is False
-        _logprobs_agree_before_and_after_a_step_and_sync(policies, engine, ["a"])
-    finally:
-        engine.close()
-
-
 @pytest.mark.parametrize("layout", ["separate", "lora"])
 def test_engine_logprobs_match_the_trainer_before_and_after_an_optimizer_step_and_sync(layout):
     roles = ["a", "b"]
@@ -257,9 +242,16 @@ def test_staleness_one_on_the_engine_trains_and_resumes_with_its_pending_batch(t
 @pytest.fixture(scope="module")
 def shared_engine():
     """One engine on the shared layout for the tests that need no engine of their own (an engine
-    start costs ~30 s on CPU): each test syncs it to the weights it starts from."""
+    start costs ~30 s on CPU): each test syncs it to the weights it starts from.  Compiled, as
+    ``srpo serve`` runs it (the per-layout engines above run eagerly, as training on a CPU does):
+    the sync tests below then check that a compiled model reads the weights written into it — it
+    starts on dummy weights — without a third engine beside the two this suite runs at once."""
+    from dataclasses import replace
+
     policies = build_policies("shared", "smollm2-135m", ["a", "b"])
-    engine = VLLMRollout(policies, "smollm2-135m", dtype="float32", seed=0, settings=SETTINGS)
+    engine = VLLMRollout(policies, "smollm2-135m", dtype="float32", seed=0,
+                         settings=replace(SETTINGS, enforce_eager=False))
+    assert engine.engines["shared"].llm.llm_engine.vllm_config.model_config.enforce_eager is False
     yield policies, engine
     engine.close()
 
