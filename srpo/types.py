@@ -48,7 +48,8 @@ class SamplingParams:
     #: record each drawn token's behaviour log-prob (training needs them); False where nothing reads
     #: them (``srpo serve``): an engine may then skip them — vLLM's sampler otherwise forms a log-softmax
     #: over the vocabulary and ranks the drawn token in it every step, and its front builds an object
-    #: per token — and the sample's ``logprobs`` may be empty
+    #: per token (on a CPU no gain was measurable: benchmarks/README.md, section 22) — and the
+    #: sample's ``logprobs`` may be empty
     logprobs: bool = True
 
     def __post_init__(self):

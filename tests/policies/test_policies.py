@@ -225,7 +225,7 @@ def _repeated_index_gathers(tensor) -> int:
             continue
         seen.add(node)
         if type(node).__name__ == "IndexBackward0":
-            found += any(i is not None and not i.dtype == torch.bool and i.unique().numel() < i.numel()
+            found += any(i is not None and i.dtype != torch.bool and i.unique().numel() < i.numel()
                          for i in node._saved_indices)
         todo.extend(next_node for next_node, _ in node.next_functions)
     return found
