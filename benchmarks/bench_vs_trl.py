@@ -15,9 +15,9 @@ optimizer, activations, allocator caches), each against TRL's.  Needs `pip insta
 (not a dependency of srpo).
 
     python benchmarks/bench_vs_trl.py --steps 8 --rounds 2 --threads 2
-    python benchmarks/bench_vs_trl.py --profile --steps 5   # where one srpo step goes (every event forwarded,
-                                                            # and by default) against what its matmuls and
-                                                            # attention alone take
+    python benchmarks/bench_vs_trl.py --profile --steps 11 --rounds 2   # where one srpo step goes (every event
+                                                            # forwarded, and by default) against what its
+                                                            # matmuls and attention alone take
 """
 
 from __future__ import annotations
@@ -176,43 +176,53 @@ PROFILED = {"every event forwarded": ("profile_forward_all", "ours_forward_all")
 PROFILE_CHILDREN = {"profile_forward_all": False, "profile_default": True}  # child → skip_zero_advantage
 
 
-def profile_both(steps: int, threads: int, out: str) -> None:
+def profile_both(steps: int, threads: int, out: str, rounds: int = 1) -> None:
     """``--profile``: srpo's step time per completion token against its arithmetic floor, every
     event forwarded and by default.  For each, two fresh processes run the same ``steps`` steps
     (the same problems, seeds and weights): one profiles every step after the first (the floor:
     its matmul and attention kernels' own time), the other runs unprofiled (the step's time: the
     profiler adds its own cost to every operation it records).  Each step's ratio pairs the two
     runs' same step, per completion token (at more than one thread their completions may differ
-    slightly); reported: the median over steps 2 .. ``steps`` and the range, the profiled steps'
-    own ratio beside it, and the last step's profile."""
+    slightly).  With ``rounds`` > 1 the pair of processes runs again, alternately with the other
+    setting's, and every round's step pairs are pooled: this machine's speed drifts by ±10 %
+    between processes minutes apart, which one pair of runs cannot average out.  Reported: the
+    median over all pairs and their range, each round's median, the profiled steps' own ratio
+    beside it, and the last step's profile."""
     if steps < 2:
         raise SystemExit("--profile needs --steps ≥ 2: a warm-up step, then the steps it profiles and times")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    summary = {}
-    print(f"torch threads {threads}; {os.cpu_count()} CPUs; steps 2–{steps} of each run\n")
-    print("| srpo | floor: matrix products + attention, ms per token | step, profiled: ms per token | "
-          "profiled / floor | step, unprofiled: ms per token | **unprofiled / floor** (range) | steps with equal tokens |\n"
-          "|---|---:|---:|---:|---:|---:|---:|")
+    pairs: dict[str, list[list[tuple]]] = {label: [] for label in PROFILED}
     tables = {}
-    for label, (profile_child, timed_child) in PROFILED.items():
-        prof = run_child([__file__, "--child", profile_child, "--steps", steps, "--threads", threads], env=env,
-                         what=f"the profile ({label})")
-        timed = run_child([__file__, "--child", timed_child, "--steps", steps, "--threads", threads], env=env,
-                          what=f"the timed run ({label})")
-        tables[label] = prof["table"]
-        pairs = list(zip(prof["steps"], timed["step_s"][1:], timed["team_tokens"][1:]))
-        floor = [1e3 * sum(p["kernel_s"].values()) / p["tokens"] for p, _, _ in pairs]
-        profiled = [1e3 * p["step_s"] / p["tokens"] for p, _, _ in pairs]
-        unprofiled = [1e3 * s / n for _, s, n in pairs]
+    for _ in range(rounds):
+        for label, (profile_child, timed_child) in PROFILED.items():
+            prof = run_child([__file__, "--child", profile_child, "--steps", steps, "--threads", threads], env=env,
+                             what=f"the profile ({label})")
+            timed = run_child([__file__, "--child", timed_child, "--steps", steps, "--threads", threads], env=env,
+                              what=f"the timed run ({label})")
+            tables[label] = prof["table"]
+            pairs[label].append(list(zip(prof["steps"], timed["step_s"][1:], timed["team_tokens"][1:])))
+    print(f"torch threads {threads}; {os.cpu_count()} CPUs; steps 2–{steps} of each run, {rounds} round(s)\n")
+    print("| srpo | floor: matrix products + attention, ms per token | step, profiled: ms per token | "
+          "profiled / floor | step, unprofiled: ms per token | **unprofiled / floor** (range) | median of each round | "
+          "steps with equal tokens |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+    summary = {}
+    for label, by_round in pairs.items():
+        pooled = [p for r in by_round for p in r]
+        floor = [1e3 * sum(p["kernel_s"].values()) / p["tokens"] for p, _, _ in pooled]
+        profiled = [1e3 * p["step_s"] / p["tokens"] for p, _, _ in pooled]
+        unprofiled = [1e3 * s / n for _, s, n in pooled]
         ratios = [u / f for u, f in zip(unprofiled, floor)]
-        parts = " + ".join(f"{statistics.median(1e3 * p['kernel_s'][kind] / p['tokens'] for p, _, _ in pairs):.2f}"
+        per_round = [statistics.median(ratios[i * (steps - 1):(i + 1) * (steps - 1)]) for i in range(len(by_round))]
+        parts = " + ".join(f"{statistics.median(1e3 * p['kernel_s'][kind] / p['tokens'] for p, _, _ in pooled):.2f}"
                            for kind in FLOOR_KERNELS)
-        equal = sum(p["tokens"] == n for p, _, n in pairs)
+        equal = sum(p["tokens"] == n for p, _, n in pooled)
         print(f"| {label} | {parts} = {statistics.median(floor):.2f} | {statistics.median(profiled):.2f} | "
               f"{statistics.median(p / f for p, f in zip(profiled, floor)):.2f}× | {statistics.median(unprofiled):.2f} | "
-              f"**{statistics.median(ratios):.2f}×** ({min(ratios):.2f}–{max(ratios):.2f}) | {equal} of {len(pairs)} |")
-        summary[label] = {"profiled_steps": prof["steps"], "timed_step_s": timed["step_s"][1:],
-                          "timed_tokens": timed["team_tokens"][1:], "ratios": ratios}
+              f"**{statistics.median(ratios):.2f}×** ({min(ratios):.2f}–{max(ratios):.2f}) | "
+              f"{', '.join(f'{r:.2f}×' for r in per_round)} | {equal} of {len(pooled)} |")
+        summary[label] = {"rounds": [{"profiled_steps": [p for p, _, _ in r], "timed_step_s": [s for _, s, _ in r],
+                                      "timed_tokens": [n for _, _, n in r]} for r in by_round],
+                          "ratios": ratios, "round_medians": per_round}
     for label, table in tables.items():
         print(f"\n## srpo, {label}: the last profiled step\n\n{table}")
     if out:
@@ -232,7 +242,7 @@ def main() -> None:
                          "and by default: each step profiled in one process and timed in another")
     args = ap.parse_args()
     if args.profile:
-        profile_both(args.steps, args.threads, args.out)
+        profile_both(args.steps, args.threads, args.out, args.rounds)
         return
     if args.child in PROFILE_CHILDREN:
         report(run_ours(args.steps, args.threads, skip_zero_advantage=PROFILE_CHILDREN[args.child], profile=True))

@@ -20,7 +20,7 @@ one call to the next could silently go stale.  *Within* one call the weights can
 CPU :meth:`FastDecoder.pack_weights` may pack every projection once into oneDNN's blocked layout
 (:class:`PackedLinears`; sampling does it once a call has run 8 token steps): a small-batch matmul
 then skips the weight reorder oneDNN otherwise does on every call — at batch 16 on SmolLM2-135M the layer matmuls of one token step took 25 → 16 ms
-and the vocabulary head 5.9 → 3.2 ms, against ~0.12 s to pack once per call.  Under bf16 autocast
+and the vocabulary head 5.9 → 3.2 ms, against ~0.08 s to pack once per call.  Under bf16 autocast
 the packed bf16 matmul gives the same bits as autocast's ``F.linear``; in float32 oneDNN's
 summation order differs from MKL's in the last bits.
 

@@ -34,16 +34,15 @@ def _matmul_dtype(device_type: str, fallback: torch.dtype) -> torch.dtype:
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else fallback
 
 
-def _head_logits(hidden, weight, bias, inv_temp, softcap):
+def _head_logits(hidden, weight, bias, inv_temp, softcap, dtype):
     """(N, H) → (N, V) float32 logits / temperature (softcapped first when the model says so),
-    and tanh(raw / softcap) for the backward (None without softcap).  ``weight`` is already in the
-    matmul dtype; ``inv_temp`` None: every row at temperature 1 (x · 1.0 is x: nothing to scale)."""
-    logits = F.linear(hidden.to(weight.dtype), weight, None if bias is None else bias.to(weight.dtype)).float()
+    and tanh(raw / softcap) for the backward (None without softcap)."""
+    logits = F.linear(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)).float()
     squashed = None
     if softcap:
         squashed = torch.tanh(logits / softcap)
         logits = squashed * softcap
-    return (logits if inv_temp is None else logits.mul_(inv_temp)), squashed
+    return logits.mul_(inv_temp), squashed
 
 
 def _logsumexp_with_buffer(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,19 +59,16 @@ def _logsumexp_with_buffer(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 class _HeadLogProb(torch.autograd.Function):
     """log softmax(W·h / T)[target] for a chunk of positions, and the entropy of that distribution.
 
-    Inputs: hidden (N, H), targets (N,), weight (V, H) (the parameter: its gradient is returned
-    in its dtype), matmul_weight (V, H): the same weight in the matmuls' dtype (cast once for all
-    chunks of a pass, and held for their backward instead of cast again there), bias (V,) or None,
-    inv_temp (N, 1) float32 or None (every row at temperature 1), softcap float or None.  Outputs:
-    (N,) float32 log-probs (differentiable) and (N,) entropies (not differentiable).  Saves hidden
-    states and the (N,) log-normaliser, and with ``keep`` the chunk's probabilities too; the
-    backward uses those or recomputes the logits once, and forms d/dlogits = g · (onehot − softmax)
-    in place.
+    Inputs: hidden (N, H), targets (N,), weight (V, H), bias (V,) or None, inv_temp (N, 1) float32,
+    softcap float or None, dtype of the matmuls.  Outputs: (N,) float32 log-probs (differentiable)
+    and (N,) entropies (not differentiable).  Saves hidden states and the (N,) log-normaliser, and
+    with ``keep`` the chunk's probabilities too; the backward uses those or recomputes the logits
+    once, and forms d/dlogits = g · (onehot − softmax) in place.
     """
 
     @staticmethod
-    def forward(ctx, hidden, targets, weight, matmul_weight, bias, inv_temp, softcap, keep):
-        logits, squashed = _head_logits(hidden, matmul_weight, bias, inv_temp, softcap)
+    def forward(ctx, hidden, targets, weight, bias, inv_temp, softcap, dtype, keep):
+        logits, squashed = _head_logits(hidden, weight, bias, inv_temp, softcap, dtype)
         lse, probs = _logsumexp_with_buffer(logits)  # (N,), and a free (N, V) buffer
         logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
         logits.sub_(lse[:, None])  # now log q over the vocabulary
@@ -81,58 +77,46 @@ class _HeadLogProb(torch.autograd.Function):
         # keep: hold q (and the softcap's tanh) for the backward instead of recomputing the chunk's
         # logits — one vocabulary matmul less, for the memory of one (N, V) float32 tensor.
         kept = (probs, squashed) if keep else (None, None)
-        ctx.save_for_backward(hidden, targets, matmul_weight, bias, inv_temp, lse, *kept)
-        ctx.softcap, ctx.keep, ctx.weight_dtype = softcap, keep, weight.dtype
+        ctx.save_for_backward(hidden, targets, weight, bias, inv_temp, lse, *kept)
+        ctx.softcap, ctx.dtype, ctx.keep = softcap, dtype, keep
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, _grad_entropy):
         hidden, targets, weight, bias, inv_temp, lse, probs, squashed = ctx.saved_tensors
-        softcap = ctx.softcap
+        softcap, dtype = ctx.softcap, ctx.dtype
         # d logp / d logits = onehot(target) − softmax, times the incoming gradient.
         if ctx.keep:
             # In place: the kept probabilities serve this one backward (a second one would be
             # refused by autograd's check of the saved tensor's version).
             grad_logits = probs.mul_(-grad_logp[:, None])
         else:
-            grad_logits, squashed = _head_logits(hidden, weight, bias, inv_temp, softcap)
+            grad_logits, squashed = _head_logits(hidden, weight, bias, inv_temp, softcap, dtype)
             grad_logits.sub_(lse[:, None]).exp_().mul_(-grad_logp[:, None])
         grad_logits.scatter_add_(-1, targets[:, None], grad_logp[:, None])
-        if inv_temp is not None:
-            grad_logits.mul_(inv_temp)  # through the temperature
+        grad_logits.mul_(inv_temp)  # through the temperature
         if softcap:
             grad_logits.mul_(1 - squashed * squashed)  # through softcap · tanh(raw / softcap)
-        g = grad_logits.to(weight.dtype)
-        grad_hidden = (g @ weight).to(hidden.dtype) if ctx.needs_input_grad[0] else None
-        grad_weight = (g.t() @ hidden.to(weight.dtype)).to(ctx.weight_dtype) if ctx.needs_input_grad[2] else None
-        grad_bias = grad_logits.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[4] else None
-        return grad_hidden, None, grad_weight, None, grad_bias, None, None, None
+        g = grad_logits.to(dtype)
+        grad_hidden = (g @ weight.to(dtype)).to(hidden.dtype) if ctx.needs_input_grad[0] else None
+        grad_weight = (g.t() @ hidden.to(dtype)).to(weight.dtype) if ctx.needs_input_grad[2] else None
+        grad_bias = grad_logits.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[3] else None
+        return grad_hidden, None, grad_weight, grad_bias, None, None, None, None
 
 
-def _chunk_logprobs(hidden, targets, weight, bias, temperature, softcap, keep=False, matmul_weight=None):
+def _chunk_logprobs(hidden, targets, weight, bias, temperature, softcap, keep=False):
     """hidden (N, H), targets (N,), temperature float or (N, 1) →
     (N, 2) float32: log q(target) (with gradient when enabled) and the entropy of q (detached).
-    keep: hold the chunk's probabilities for the backward instead of recomputing them.
-    matmul_weight: ``weight`` already cast to the matmul dtype (cast here when not given)."""
+    keep: hold the chunk's probabilities for the backward instead of recomputing them."""
     inv_temp = (1.0 / torch.as_tensor(temperature, dtype=torch.float32, device=hidden.device)).reshape(-1, 1)
-    if _all_ones(temperature):
-        inv_temp = None
-    if matmul_weight is None:
-        matmul_weight = weight.detach().to(_matmul_dtype(hidden.device.type, weight.dtype))
+    dtype = _matmul_dtype(hidden.device.type, weight.dtype)
     # Without gradient nothing holds the Function's context, so keeping probabilities costs nothing
     # beyond this call; with gradient they are held until the backward.
     keep = keep and torch.is_grad_enabled()
     with torch.autocast(hidden.device.type, enabled=False):  # the matmul dtype is explicit above
-        logp, entropy = _HeadLogProb.apply(hidden, targets, weight, matmul_weight, bias, inv_temp, softcap, keep)
+        logp, entropy = _HeadLogProb.apply(hidden, targets, weight, bias, inv_temp, softcap, dtype, keep)
     return torch.stack([logp, entropy.detach()], dim=-1)
-
-
-def _all_ones(temperature) -> bool:
-    """Whether a float or tensor temperature is exactly 1 everywhere (one sync for a tensor)."""
-    if isinstance(temperature, torch.Tensor):
-        return bool((temperature == 1).all())
-    return float(temperature) == 1.0
 
 
 def cache_keyword(module) -> str:
@@ -371,16 +355,11 @@ def completion_logprobs(
     softcap = _softcap(model)
     temps = _row_temperatures(temperature, select)  # (N, 1)
     keep = h.shape[0] * head.weight.shape[0] * 4 <= how.keep_probs_bytes
-    if _all_ones(temps):
-        temps = 1.0
-    # One cast of the head for every chunk's forward and backward (a no-op in float32).
-    matmul_weight = head.weight.detach().to(_matmul_dtype(h.device.type, head.weight.dtype))
     pieces = []
     for start in range(0, h.shape[0], how.chunk_tokens):
         end = start + how.chunk_tokens
-        chunk_temps = temps if isinstance(temps, float) else temps[start:end]
-        args = (h[start:end], targets[start:end], head.weight, head.bias, chunk_temps, softcap, keep)
-        pieces.append(_chunk_logprobs(*args, matmul_weight=matmul_weight))
+        args = (h[start:end], targets[start:end], head.weight, head.bias, temps[start:end], softcap, keep)
+        pieces.append(_chunk_logprobs(*args))
     flat = torch.cat(pieces) if pieces else h.new_zeros((0, 2), dtype=torch.float32)  # (N, 2)
     zeros = torch.zeros(select.shape, dtype=torch.float32, device=input_ids.device)
     logprobs = zeros.masked_scatter(select, flat[:, 0])
