@@ -10,6 +10,7 @@ import pytest
 
 from srpo.tasks import DatasetError, avg_at_k, macro_average, pass_at_k
 from srpo.tasks.math import (
+    LEVELS,
     answers_equivalent,
     extract_answer,
     grade_math,
@@ -27,6 +28,7 @@ from srpo.tasks.search import (
     synthetic_kb,
     token_f1,
 )
+from srpo.tasks.splits import part_of
 
 def _shared_data() -> Path:
     """../shared/data next to the checkout, $SRPO_SHARED_DATA, or this workplace's /work/shared/data."""
@@ -270,12 +272,6 @@ def test_real_hotpotqa_search_task_and_bm25_recall():
 
 # ------------------------------------------------------------------ held-out parts (srpo.tasks.splits)
 
-import pytest as _pytest  # noqa: E402
-
-from srpo.tasks.math import LEVELS, synthetic_arithmetic  # noqa: E402
-from srpo.tasks.search import synthetic_kb  # noqa: E402
-from srpo.tasks.splits import part_of  # noqa: E402
-
 
 def _operands_key(question: str) -> str:
     """The problem with the operands of + and × sorted: a commuted problem is the same problem."""
@@ -291,7 +287,7 @@ def _operands_key(question: str) -> str:
     return op.join(map(str, sorted(map(int, nums))))
 
 
-@_pytest.mark.parametrize("level", sorted(LEVELS))
+@pytest.mark.parametrize("level", sorted(LEVELS))
 def test_arithmetic_train_and_test_parts_are_disjoint(level):
     """Every level: no problem (nor its commuted form) of the test part is drawn for training,
     whatever the seeds; each part is non-empty; ``all`` draws from both (as before parts)."""
@@ -305,7 +301,7 @@ def test_arithmetic_train_and_test_parts_are_disjoint(level):
     assert both & train and both & test
 
 
-@_pytest.mark.parametrize("level", [0, 1, 2, 4, 5])
+@pytest.mark.parametrize("level", [0, 1, 2, 4, 5])
 def test_whole_part_enumerated_and_partition_complete(level):
     """n=0: every problem of the part once; train and test together are the whole space."""
     train, test = (synthetic_arithmetic(0, level=level, split=s) for s in ("train", "test"))
@@ -317,7 +313,7 @@ def test_whole_part_enumerated_and_partition_complete(level):
 
 
 def test_level_3_cannot_be_enumerated():
-    with _pytest.raises(ValueError, match="level 3"):
+    with pytest.raises(ValueError, match="level 3"):
         synthetic_arithmetic(0, level=3, split="test")
 
 
