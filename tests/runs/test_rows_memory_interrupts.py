@@ -4,6 +4,7 @@ tests/serving/test_serve_load.py.)"""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -20,6 +21,18 @@ import pytest
 from srpo.tasks.base import DatasetError
 from helpers.runs import ENV, cli_train, trained  # noqa: F401  (shared helpers)
 from helpers import HELPERS, ROOT
+
+
+@contextlib.contextmanager
+def _children_take_sigint():
+    """Processes started inside take SIGINT as a run started from a terminal does, even when this
+    test process inherited it ignored (as anything started by a non-interactive shell's ``&``
+    does): an exec'd child keeps an ignored signal ignored but resets a handled one to default."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_a_row_no_tokenizer_can_take_is_refused_at_load_naming_file_and_line(tmp_path):
@@ -119,8 +132,9 @@ def test_ctrl_c_during_a_step_exits_within_seconds(tmp_path):
     log = tmp_path / "rewards.log"
     env = {**ENV, "PYTHONPATH": f"{ENV['PYTHONPATH']}{os.pathsep}{HELPERS}", "SRPO_TEST_REWARD_LOG": str(log),
            "SRPO_TEST_REWARD_GATE": str(tmp_path / "never")}
-    proc = subprocess.Popen(cli_train(run, ["run.steps=50", "task.reward=slow_reward:reward"]), env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with _children_take_sigint():
+        proc = subprocess.Popen(cli_train(run, ["run.steps=50", "task.reward=slow_reward:reward"]), env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while calls_started(log) == 0:  # inside step 1's rewards, which wait at a gate never opened
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
@@ -155,7 +169,8 @@ def test_ctrl_c_while_calls_wait_on_a_frozen_retriever_prints_no_traceback(tmp_p
                          "task.corpus=''", f"retriever.url=http://127.0.0.1:{server.server_port}/retrieve",
                          "log.backends=[]", "eval.every=0", "task.eval=[]"] for x in ("--set", o)]]
     env = {**ENV, "PYTHONPATH": f"{ENV['PYTHONPATH']}{os.pathsep}{HELPERS}"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with _children_take_sigint():
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
         while not reached.wait(0.05):  # a retrieval call is in flight, frozen
