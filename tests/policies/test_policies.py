@@ -707,3 +707,14 @@ def test_activation_checkpointing_gives_the_same_logprobs_and_gradients(share):
     assert torch.equal(a, b)
     assert all(torch.equal(x, y) for x, y in zip(grads_a, grads_b))
     assert "forward" not in model.model.layers[0].__dict__  # the layers are restored afterwards
+
+
+def test_a_checkpointed_layer_builds_its_cache_from_the_config_unless_the_layer_is_plain():
+    """The one-layer cache skips reading the config only where the real cache's layer is a plain
+    full-attention one; a sliding-window layer (Gemma-3, Qwen2 with windows) keeps the config's."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    from srpo.policies.activation_checkpointing import _is_plain_dynamic_layer
+
+    assert _is_plain_dynamic_layer(DynamicLayer())
+    assert not _is_plain_dynamic_layer(DynamicSlidingWindowLayer(sliding_window=4))
