@@ -10,6 +10,7 @@ their own share one (``shared_engine``).
 import faulthandler
 import os
 import signal
+import threading
 
 import pytest
 import torch
@@ -78,6 +79,20 @@ def test_engine_logprobs_match_the_trainer_before_and_after_an_optimizer_step_an
         engine.close()
 
 
+def _first_answer_of_each_task_wins():
+    """A reward that differs within every group whatever the engine samples: the first episode of a
+    task scored gets 1, the others 0 (a reward of the text alone ties a group by chance, and a group
+    of ties has no advantage — no update to check)."""
+    seen, lock = set(), threading.Lock()
+
+    def reward(task, answer):
+        with lock:
+            first = task.task_id not in seen
+            seen.add(task.task_id)
+        return float(first)
+    return reward
+
+
 def test_a_team_trains_a_step_on_the_vllm_engine(tmp_path):
     cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "..", "configs/math/parallel_aggregate/srpo.yaml"), [
         f"run.output_dir={tmp_path}", "run.steps=1", "model.name=smollm2-135m", "model.autocast_bf16=false",
@@ -86,7 +101,7 @@ def test_a_team_trains_a_step_on_the_vllm_engine(tmp_path):
         "rollout.gpu_memory_utilization=0.1", "train.tis_cap=2.0", "train.skip_zero_advantage=false",
         "eval.n=4", "eval.k=2"])  # the config evaluates after the last step: through the engine too
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"  # as SETTINGS, for the engine the trainer starts
-    trainer = Trainer(cfg, progress=False, reward_fn=lambda task, answer: float(len(answer or "") % 3) / 2)
+    trainer = Trainer(cfg, progress=False, reward_fn=_first_answer_of_each_task_wins())
     try:
         before = [p.detach().clone() for p in trainer.policies.parameters("shared")]
         (metrics,) = trainer.fit()
