@@ -81,24 +81,98 @@ async def _unless_gone(request, work):
     return work.result()
 
 
+def _error(status: int, message: str, *, param=None, code=None, kind="invalid_request_error", api="openai"):
+    """An error reply in the shape of the route's API (Anthropic's on ``messages``)."""
+    from starlette.responses import JSONResponse
+
+    if api == "messages":
+        return JSONResponse(serving.anthropic_error(status, message), status_code=status)
+    return JSONResponse(error_body(message, param=param, code=code, kind=kind), status_code=status)
+
+
+def _refused(err: ProtocolError, api: str):
+    """A refused request's reply, with the error's headers (Retry-After and the like)."""
+    from starlette.responses import JSONResponse
+
+    if api == "messages":
+        return JSONResponse(serving.anthropic_error(err.status, str(err)), status_code=err.status,
+                            headers=err.headers())
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
+
+
+def _parse(kind: str, raw: bytes, headers: dict[str, str]):
+    """The request of one route from its body (size, deadline and nesting already bounded by
+    serving.Guard)."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise ProtocolError("the request body is not valid JSON") from None
+    if kind == "responses":
+        return parse_responses_request(body, headers)
+    if kind == "messages":
+        return anthropic.parse_messages_request(body, headers)
+    return parse_request(body, chat=kind == "chat", headers=headers)
+
+
+def _check_caller(resolve, backend, token: str | None, caller: str | None) -> None:
+    """Refuse (409) a request whose attribution header names another episode than its URL, and
+    mark both episodes as mixed: their data cannot be told apart."""
+    if caller is None or token is None or caller == token:
+        return
+    mixed = attribution.MixedEpisodes(attribution.message(getattr(backend, "entry", "") or "the program"))
+    for b in (backend, resolve(caller)):
+        if b is not None and hasattr(b, "mixed"):
+            b.mixed = mixed
+    raise ProtocolError(str(mixed), status=409, code="episode_mismatch")
+
+
+async def _generate(request, backend, req, kind: str):
+    """Run the request: a streaming reply once its first token is drawn, else (choices,
+    prompt_tokens) when the generation has ended.  :class:`ClientGone` if the client leaves."""
+    from starlette.responses import StreamingResponse
+
+    if not streaming.streams_tokens(req, backend):
+        return await _unless_gone(request, backend.complete(req))
+    queue, task = streaming.start(backend, req)
+    try:
+        first = await _unless_gone(request, queue.get())
+    except ClientGone:
+        task.cancel()
+        raise
+    if first is None:  # ended (or failed) before its first token
+        return task.result()
+    live = {"responses": streaming.response_events, "messages": streaming.message_stream}.get(kind, streaming.chat_chunks)
+    return StreamingResponse(live(req, first, queue, task, streaming.reply_streams(req, backend)),
+                             media_type="text/event-stream")
+
+
+def _reply(kind: str, req, choices, prompt_tokens: int):
+    """A finished generation's reply in the route's format, streamed (as events) or whole."""
+    from starlette.responses import JSONResponse, StreamingResponse
+
+    def events(body):
+        return StreamingResponse(body, media_type="text/event-stream")
+
+    if kind == "messages":
+        if req.stream:
+            return events(anthropic.message_events(req, choices[0], prompt_tokens))
+        return JSONResponse(anthropic.message_object(req, choices[0], prompt_tokens))
+    if kind == "responses":
+        if req.stream:
+            return events(responses.stream_events(req, choices[0], prompt_tokens))
+        return JSONResponse(responses.response_object(req, choices[0], prompt_tokens))
+    if req.stream:
+        return events(iter(stream_events(req, choices)))
+    return JSONResponse(response(req, choices, prompt_tokens))
+
+
 def build_app(resolve, *, serve_root: bool = False):
     """The Starlette app.  ``resolve(token)`` returns the backend of an open episode (None: unknown
     or closed); with ``serve_root`` the routes also answer at ``/v1`` (``resolve(None)``)."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
-    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
-
-    def error(status: int, message: str, *, param=None, code=None, kind="invalid_request_error", api="openai"):
-        if api == "messages":
-            return JSONResponse(serving.anthropic_error(status, message), status_code=status)
-        return JSONResponse(error_body(message, param=param, code=code, kind=kind), status_code=status)
-
-    def refused(err: ProtocolError, api: str):
-        if api == "messages":
-            return JSONResponse(serving.anthropic_error(err.status, str(err)), status_code=err.status,
-                                headers=err.headers())
-        return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
 
     def backend_of(request):
         token = request.path_params.get("token")
@@ -111,80 +185,33 @@ def build_app(resolve, *, serve_root: bool = False):
     async def completions(request, kind: str):
         try:
             backend = backend_of(request)
-            raw = await request.body()  # size, deadline and nesting already bounded (serving.Guard)
-            try:
-                body = json.loads(raw)
-            except (ValueError, UnicodeDecodeError, RecursionError):
-                raise ProtocolError("the request body is not valid JSON") from None
             headers = {k.lower(): v for k, v in request.headers.items()}
-            if kind == "responses":
-                req = parse_responses_request(body, headers)
-            elif kind == "messages":
-                req = anthropic.parse_messages_request(body, headers)
-            else:
-                req = parse_request(body, chat=kind == "chat", headers=headers)
-            caller = headers.get(attribution.HEADER)
-            token = request.path_params.get("token")
-            if caller is not None and token is not None and caller != token:
-                mixed = attribution.MixedEpisodes(attribution.message(getattr(backend, "entry", "") or "the program"))
-                for b in (backend, resolve(caller)):
-                    if b is not None and hasattr(b, "mixed"):
-                        b.mixed = mixed
-                raise ProtocolError(str(mixed), status=409, code="episode_mismatch")
+            req = _parse(kind, await request.body(), headers)
+            _check_caller(resolve, backend, request.path_params.get("token"), headers.get(attribution.HEADER))
             if req.model not in backend.roles:
                 raise ProtocolError(f"the model {req.model!r} is not a role of this team; roles: "
                                     f"{', '.join(backend.roles)}", param="model", status=404, code="model_not_found")
-            if streaming.streams_tokens(req, backend):
-                queue, task = streaming.start(backend, req)
-                try:
-                    first = await _unless_gone(request, queue.get())
-                except ClientGone:
-                    task.cancel()
-                    raise
-                if first is not None:  # tokens are coming: stream them as they are drawn
-                    live = {"responses": streaming.response_events,
-                            "messages": streaming.message_stream}.get(kind, streaming.chat_chunks)
-                    return StreamingResponse(live(req, first, queue, task, streaming.reply_streams(req, backend)),
-                                             media_type="text/event-stream")
-                choices, prompt_tokens = task.result()  # ended (or failed) before its first token
-            else:
-                choices, prompt_tokens = await _unless_gone(request, backend.complete(req))
+            result = await _generate(request, backend, req, kind)
+            if isinstance(result, Response):  # tokens are coming: streamed as they are drawn
+                return result
+            choices, prompt_tokens = result
         except ClientGone:  # nobody is waiting: the generation was cancelled, nothing to answer
             log.info("a client disconnected before its reply; its generation was cancelled")
             return Response(status_code=499)
         except ProtocolError as err:
-            return refused(err, kind)
+            return _refused(err, kind)
         except asyncio.CancelledError:
-            return error(503, "the episode ended while this request waited", kind="server_error", api=kind)
+            return _error(503, "the episode ended while this request waited", kind="server_error", api=kind)
         except Exception:  # noqa: BLE001 — the log gets the traceback, the wire a generic line
             log.error("gateway request failed:\n%s", traceback.format_exc())
-            return error(500, "the server failed to answer this request (its log says why)", kind="server_error",
-                         api=kind)
-        if kind == "messages":
-            if req.stream:
-                return StreamingResponse(anthropic.message_events(req, choices[0], prompt_tokens),
-                                         media_type="text/event-stream")
-            return JSONResponse(anthropic.message_object(req, choices[0], prompt_tokens))
-        if kind == "responses":
-            if req.stream:
-                return StreamingResponse(responses.stream_events(req, choices[0], prompt_tokens),
-                                         media_type="text/event-stream")
-            return JSONResponse(responses.response_object(req, choices[0], prompt_tokens))
-        if req.stream:
-            return StreamingResponse(iter(stream_events(req, choices)), media_type="text/event-stream")
-        return JSONResponse(response(req, choices, prompt_tokens))
+            return _error(500, "the server failed to answer this request (its log says why)", kind="server_error",
+                          api=kind)
+        return _reply(kind, req, choices, prompt_tokens)
 
-    async def chat(request):
-        return await completions(request, "chat")
-
-    async def text(request):
-        return await completions(request, "text")
-
-    async def respond(request):
-        return await completions(request, "responses")
-
-    async def messages(request):
-        return await completions(request, "messages")
+    def route(kind: str):
+        async def handle(request):
+            return await completions(request, kind)
+        return handle
 
     async def models(request):
         try:
@@ -193,20 +220,16 @@ def build_app(resolve, *, serve_root: bool = False):
             return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
 
     async def not_found(request, exc):
-        return error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                     code="not_found" if exc.status_code == 404 else None)
+        return _error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                      code="not_found" if exc.status_code == 404 else None)
 
-    routes = [Route("/e/{token}/v1/chat/completions", chat, methods=["POST"]),
-              Route("/e/{token}/v1/completions", text, methods=["POST"]),
-              Route("/e/{token}/v1/responses", respond, methods=["POST"]),
-              Route("/e/{token}/v1/messages", messages, methods=["POST"]),
-              Route("/e/{token}/v1/models", models, methods=["GET"])]
-    if serve_root:
-        routes += [Route("/v1/chat/completions", chat, methods=["POST"]),
-                   Route("/v1/completions", text, methods=["POST"]),
-                   Route("/v1/responses", respond, methods=["POST"]),
-                   Route("/v1/messages", messages, methods=["POST"]),
-                   Route("/v1/models", models, methods=["GET"])]
+    paths = {"chat/completions": route("chat"), "completions": route("text"), "responses": route("responses"),
+             "messages": route("messages")}
+    prefixes = ["/e/{token}/v1"] + (["/v1"] if serve_root else [])
+    routes = []
+    for prefix in prefixes:
+        routes += [Route(f"{prefix}/{path}", handler, methods=["POST"]) for path, handler in paths.items()]
+        routes.append(Route(f"{prefix}/models", models, methods=["GET"]))
     return Starlette(routes=routes, exception_handlers={HTTPException: not_found})
 
 
