@@ -219,9 +219,10 @@ class DecodeBatch:
     row's :class:`Sample` over.
 
     Args:
-        mixed_adapters: rows carry PEFT adapter names (a LoRA team in one batch; HF's step).
+        mixed_adapters: rows carry PEFT adapter names (a LoRA team in one batch).
         fast_decode: use :mod:`srpo.policies.fast_decode` for the token steps when the model is
-            supported (the HF step otherwise); False forces the HF step.
+            supported (for a PEFT model: its LoRA, :func:`~srpo.policies.fast_decode.lora_supported`;
+            the HF step otherwise); False forces the HF step.
     """
 
     def __init__(self, model, tokenizer, *, mixed_adapters: bool = False, fast_decode: bool = True):
@@ -230,9 +231,10 @@ class DecodeBatch:
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.eos = torch.tensor(sorted(eos_token_ids(model, tokenizer)), device=self.device)
         self.mixed_adapters = mixed_adapters
-        # The lean decode step serves plain Llama-family models; PEFT mixed-adapter batches and
-        # other architectures take HF's step.  Both see the same prefill, draws and bookkeeping.
-        self.decoder = fast_decoder_for(model) if fast_decode and not mixed_adapters else None
+        # The lean decode step serves Llama-family models, plain or with vanilla LoRA adapters
+        # (mixed-adapter batches); other architectures take HF's step.  Both see the same prefill,
+        # draws and bookkeeping.
+        self.decoder = fast_decoder_for(model, adapters=mixed_adapters) if fast_decode else None
         self.cache_kw = cache_keyword(model.get_base_model() if hasattr(model, "get_base_model") else model)
         self.params: dict[int, SamplingParams] = {}
         self.tokens: dict[int, list[int]] = {}
@@ -426,7 +428,8 @@ class DecodeBatch:
         if self.decoder is not None:
             if self.steps_fed + 1 == PACK_AFTER_STEPS:
                 self.decoder.pack_weights(self.cache)
-            self.next_logits = self.decoder.step(self.cache, feed, rows.next_pos, rows.attn.bool())
+            self.next_logits = self.decoder.step(self.cache, feed, rows.next_pos, rows.attn.bool(),
+                                                 self.adapters if self.mixed_adapters else None)
         else:
             extra = {"adapter_names": self.adapters} if self.mixed_adapters else {}
             out = self.model(input_ids=feed[:, None], attention_mask=rows.attn, position_ids=rows.next_pos[:, None],

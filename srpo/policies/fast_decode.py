@@ -81,6 +81,11 @@ def _can_pack(device: torch.device) -> bool:
             and hasattr(mkldnn, "_reorder_linear_weight") and hasattr(mkldnn, "_linear_pointwise"))
 
 
+def _base(module):
+    """The plain linear of a projection: a PEFT LoRA layer wraps one (its ``base_layer``)."""
+    return getattr(module, "base_layer", module)
+
+
 def _stacked(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """``torch.cat(tensors).to(dtype)`` — the same values — cast straight into the stacked
     buffer: one pass over the float32 weights instead of a float32 copy cast in a second pass
@@ -113,12 +118,13 @@ class PackedLinears:
         self.dtype = dtype
         self.packed = {}
         for modules in groups:
-            w = _stacked([m.weight.detach() for m in modules], dtype)
+            linears = [_base(m) for m in modules]
+            w = _stacked([m.weight.detach() for m in linears], dtype)
             b = None
-            if any(m.bias is not None for m in modules):
+            if any(m.bias is not None for m in linears):
                 b = _stacked([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.weight.shape[0])
-                              for m in modules], dtype)
-            sizes = [m.weight.shape[0] for m in modules]
+                              for m in linears], dtype)
+            sizes = [m.weight.shape[0] for m in linears]
             self.packed[tuple(id(m) for m in modules)] = (torch.ops.mkldnn._reorder_linear_weight(w, batch_hint), b, sizes)
 
     def __call__(self, x: torch.Tensor, *modules, joint: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
@@ -131,10 +137,76 @@ class PackedLinears:
 
 def _plain_linears(x: torch.Tensor, *modules, joint: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """The unpacked counterpart of :class:`PackedLinears`: ``F.linear`` on the live weights."""
-    outs = tuple(F.linear(x, m.weight, m.bias) for m in modules)
+    outs = tuple(F.linear(x, _base(m).weight, _base(m).bias) for m in modules)
     if joint:
         return torch.cat(outs, dim=-1)
     return outs[0] if len(outs) == 1 else outs
+
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_supported(model) -> bool:
+    """Whether the LoRA of a PEFT-wrapped ``model`` is what :class:`LoraRows` adds: vanilla LoRA
+    (no DoRA or other variant, no LoRA bias) on the layers' projections only, nothing merged or
+    disabled, the embeddings and the head untouched, no ``modules_to_save``."""
+    configs = getattr(model, "peft_config", None) or {}
+    if not configs or not hasattr(model, "get_base_model"):
+        return False
+    for c in configs.values():
+        if str(getattr(c, "peft_type", "")).rsplit(".", 1)[-1] != "LORA" or getattr(c, "modules_to_save", None):
+            return False
+    wrapped = 0
+    for name, m in model.get_base_model().named_modules():
+        if not hasattr(m, "lora_A"):
+            continue
+        wrapped += 1
+        if name.rsplit(".", 1)[-1] not in PROJECTIONS or ".layers." not in f".{name}":
+            return False
+        if (getattr(m, "merged", False) or getattr(m, "disable_adapters", False) or getattr(m, "lora_variant", None)
+                or any(getattr(m, "use_dora", {}).values()) or any(getattr(m, "lora_bias", {}).values())
+                or getattr(m, "fan_in_fan_out", False)
+                or not all(isinstance(a, torch.nn.Linear) for a in m.lora_A.values())):
+            return False
+    return wrapped > 0
+
+
+class LoraRows:
+    """Which rows of a decode batch carry which PEFT LoRA adapter (a LoRA team samples all its
+    roles in one batch), and the step's projections with those rows' LoRA deltas added.
+
+    Each delta is computed as PEFT's mixed-batch forward (``lora.Linear._mixed_batch_forward``)
+    computes it: the adapter's rows of the projection's input, cast to the LoRA weights' dtype,
+    through dropout, A and B under the ambient autocast, times the scaling, cast to the base
+    output's dtype and added to those rows — the same operations in the same dtypes, so the step
+    samples what PEFT's forward samples (tested).  Rows of ``"__base__"`` (PEFT's name for no
+    adapter) get none.
+    """
+
+    def __init__(self, adapters: list[str], device: torch.device):
+        rows: dict[str, list[int]] = {}
+        for b, name in enumerate(adapters):
+            rows.setdefault(name, []).append(b)
+        self.adapters = tuple(adapters)
+        self.rows = {name: torch.tensor(r, device=device) for name, r in rows.items() if name != "__base__"}
+
+    def linear(self, base):
+        """``base`` (:class:`PackedLinears` or :func:`_plain_linears`) plus these rows' deltas."""
+
+        def project(x: torch.Tensor, *modules, joint: bool = False):
+            out = base(x, *modules, joint=True)  # (B, Σ out): the group's outputs side by side
+            widths = [_base(m).weight.shape[0] for m in modules]
+            col = 0
+            for m, width in zip(modules, widths):
+                for name, idx in self.rows.items():
+                    if name in getattr(m, "lora_A", ()):
+                        sub = x[idx].to(m.lora_A[name].weight.dtype)
+                        delta = m.lora_B[name](m.lora_A[name](m.lora_dropout[name](sub))) * m.scaling[name]
+                        out[idx, col:col + width] += delta.to(out.dtype)
+                col += width
+            return out if joint or len(modules) == 1 else out.split(widths, dim=-1)
+
+        return project
 
 
 @dataclass
@@ -167,6 +239,8 @@ class FastDecoder:
     def __init__(self, model):
         cfg = model.config
         self.model = model
+        self.lora = False  # set by fast_decoder_for for a PEFT LoRA model (this is its base model)
+        self._lora_rows: LoraRows | None = None
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -234,14 +308,23 @@ class FastDecoder:
         if state.linears is None:
             state.linears = self._pack(state.keys[0].shape[0] if state.keys else 1)
 
+    def _with_lora(self, linear, adapters: list[str] | None, device: torch.device):
+        """``linear`` with each row's LoRA delta (the row groups kept while the rows stay the same)."""
+        if adapters is None:
+            raise ValueError("a PEFT LoRA model's decode step needs each row's adapter name")
+        if self._lora_rows is None or self._lora_rows.adapters != tuple(adapters):
+            self._lora_rows = LoraRows(adapters, device)
+        return self._lora_rows.linear(linear)
+
     @torch.no_grad()
     def step(self, state: DecodeState, tokens: torch.Tensor, positions: torch.Tensor,
-             valid: torch.Tensor) -> torch.Tensor:
+             valid: torch.Tensor, adapters: list[str] | None = None) -> torch.Tensor:
         """Feed one token per row, return the next-token logits.
 
         tokens: (B,) fed at cache column ``state.length``; positions: (B,) their rotary positions;
         valid: (B, state.length + 1) bool, the columns each row attends to (its left padding is
-        False).  Returns (B, V) logits (in the autocast dtype under autocast).
+        False); adapters: each row's PEFT adapter (a LoRA model's decoder only).  Returns (B, V)
+        logits (in the autocast dtype under autocast).
 
         At batch 16 the matmuls of a SmolLM2-135M step take ~15 ms and the ~1,500 small operations
         around them (norms, rotary embeddings, cache writes, casts) as long again, each costing a
@@ -259,12 +342,14 @@ class FastDecoder:
         signed_sin = torch.cat((-sin[..., :D // 2], sin[..., D // 2:]), dim=-1)
         mask = valid[:, None, None, :col + 1]  # (B, 1, 1, col + 1)
         linear = state.linears or _plain_linears
+        if self.lora:
+            linear = self._with_lora(linear, adapters, tokens.device)
         # Packed matmuls cast their inputs themselves, so with srpo's float32 attention nothing in
-        # the step needs autocast: one context for the whole step.  The plain matmuls need the
-        # ambient autocast; then only attention leaves it, layer by layer.
+        # the step needs autocast: one context for the whole step.  The plain matmuls and the LoRA
+        # deltas need the ambient autocast; then only attention leaves it, layer by layer.
         device = x.device.type
-        step_off = self.float32_attention and state.linears is not None
-        layer_off = self.float32_attention and state.linears is None
+        step_off = self.float32_attention and state.linears is not None and not self.lora
+        layer_off = self.float32_attention and not step_off
         with torch.autocast(device, enabled=False) if step_off else nullcontext():
             for layer, kb, vb in zip(model.layers, state.keys, state.values):
                 att, mlp = layer.self_attn, layer.mlp
@@ -292,12 +377,23 @@ class FastDecoder:
             return linear(h, self.model.lm_head)
 
 
-def fast_decoder_for(model) -> FastDecoder | None:
-    """The registered decode step for ``model``'s architecture, or None (no decoder for it, a
-    PEFT-wrapped model, or a configuration the decoder does not support): sampling then takes
-    the HF step."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type is None or hasattr(model, "peft_config") or model_type not in FAST_DECODERS.names():
+def fast_decoder_for(model, *, adapters: bool = False) -> FastDecoder | None:
+    """The registered decode step for ``model``'s architecture, or None (no decoder for it, or a
+    configuration the decoder does not support): sampling then takes the HF step.
+
+    A PEFT-wrapped model gets one only with ``adapters`` (its rows carry adapter names: a LoRA
+    team's mixed-adapter batch) and only where :func:`lora_supported` holds: a :class:`FastDecoder`
+    of its base model that adds each row's LoRA delta."""
+    peft = hasattr(model, "peft_config")
+    if peft and not (adapters and lora_supported(model)):
+        return None
+    base = model.get_base_model() if peft else model
+    model_type = getattr(getattr(base, "config", None), "model_type", None)
+    if model_type is None or model_type not in FAST_DECODERS.names():
         return None
     cls = FAST_DECODERS[model_type]
-    return cls(model) if cls.supports(model) else None
+    if not cls.supports(base) or (peft and not issubclass(cls, FastDecoder)):
+        return None
+    decoder = cls(base)
+    decoder.lora = peft
+    return decoder

@@ -543,10 +543,78 @@ def test_fast_decode_declines_models_outside_its_family():
     from srpo.policies.fast_decode import fast_decoder_for
 
     ps = build_policies("lora", "tiny-llama", ROLES, lora=LoraSettings(r=4, alpha=8))
-    assert fast_decoder_for(ps.model) is None  # PEFT-wrapped: mixed-adapter batches take HF's step
+    assert fast_decoder_for(ps.model) is None  # PEFT-wrapped, rows without adapter names: HF's step
+    assert fast_decoder_for(ps.model, adapters=True).lora
+    ps.model.base_model.model.model.layers[0].self_attn.q_proj.use_dora["worker"] = True
+    assert fast_decoder_for(ps.model, adapters=True) is None  # a LoRA variant the step does not add
     model, _ = load_model("tiny-llama")
     model.config.hidden_act = "gelu"
     assert fast_decoder_for(model) is None
+
+
+def _lora_team(scale=0.5):
+    """A LoRA team of three roles whose adapters really differ (PEFT starts every B at zero)."""
+    ps = build_policies("lora", "tiny-llama", ["x", "y", "z"], lora=LoraSettings(r=4, alpha=8))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in ps.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    ps.model.eval()
+    return ps
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_fast_decode_samples_what_peft_samples_in_a_mixed_adapter_batch(bf16):
+    """A LoRA team's roles in one batch (and a row of the base model): the lean step adds each
+    row's LoRA delta as PEFT's mixed-batch forward does — the same tokens, the same log-probs,
+    through the weights' packing after 8 steps."""
+    ps = _lora_team()
+    prompts, params = _mixed_prompts(ps.tokenizer, 8), _mixed_params(8)
+    params[0] = SamplingParams(max_new_tokens=20)  # long enough to run packed
+    names = ["x", "y", "z", "__base__", "y", "x", "z", "x"]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        fast = sample(ps.model, ps.tokenizer, prompts, params, generator=torch.Generator().manual_seed(3),
+                      adapter_names=names)
+        slow = sample(ps.model, ps.tokenizer, prompts, params, generator=torch.Generator().manual_seed(3),
+                      adapter_names=names, fast_decode=False)
+        base = sample(ps.model, ps.tokenizer, prompts, params, generator=torch.Generator().manual_seed(3),
+                      adapter_names=["__base__"] * 8)
+    assert [s.completion_ids for s in fast] == [s.completion_ids for s in slow]
+    assert [s.completion_ids for s in fast] != [s.completion_ids for s in base]  # the adapters act
+    for a, b in zip(fast, slow):  # bf16: bit for bit; float32: oneDNN's packed sums differ from MKL's in the last bits
+        assert a.logprobs == b.logprobs if bf16 else a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def test_a_lora_step_gives_pefts_logits():
+    """One step of a mixed-adapter batch from a left-padded prefill: PEFT's forward's logits."""
+    from transformers import DynamicCache
+
+    from srpo.policies.fast_decode import fast_decoder_for
+    from srpo.policies.logprobs import cache_keyword, position_ids_from_mask
+
+    ps = _lora_team()
+    model, names = ps.model, ["z", "x", "y"]
+    prompts = _mixed_prompts(ps.tokenizer, 3)
+    P = max(len(p) for p in prompts)
+    ids = torch.zeros(3, P + 1, dtype=torch.long)
+    attn = torch.zeros(3, P + 1, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p):P] = torch.tensor(p)
+        attn[i, P - len(p):] = 1
+    ids[:, P] = torch.tensor([5, 17, 42])
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn),
+                     adapter_names=names).logits[:, -1]
+        cache = DynamicCache()
+        model(input_ids=ids[:, :P], attention_mask=attn[:, :P], position_ids=position_ids_from_mask(attn[:, :P]),
+              use_cache=True, adapter_names=names, **{cache_keyword(model.get_base_model()): cache})
+        decoder = fast_decoder_for(model, adapters=True)
+        state = decoder.start(cache, torch.arange(3), capacity=P + 4)
+        step = decoder.step(state, ids[:, P], attn[:, :P].sum(-1), attn.bool(), names)
+        with pytest.raises(ValueError, match="adapter name"):
+            decoder.step(state, ids[:, P], attn[:, :P].sum(-1) + 1, torch.cat([attn, attn[:, -1:]], 1).bool())
+    torch.testing.assert_close(step, full, atol=1e-4, rtol=1e-4)
 
 
 def test_draw_follows_the_weights_and_never_picks_a_zero():
