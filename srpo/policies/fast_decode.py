@@ -36,9 +36,17 @@ Decoders are registered per ``config.model_type`` in :data:`FAST_DECODERS`
 says in ``supports(model)`` whether it can run that particular model, and implements ``start``,
 ``pack_weights`` and ``step`` as :class:`FastDecoder` does.  Another architecture with the Llama
 layout (Mistral, ...) registers :class:`FastDecoder` itself or a subclass; docs/extending.md
-shows how.  Models without a decoder — other architectures, PEFT-wrapped models (mixed-adapter
-batches), sliding-window attention, activations other than SiLU — get ``None`` from
-:func:`fast_decoder_for`, and sampling takes the HF step.
+shows how.  Models without a decoder — other architectures, sliding-window attention,
+activations other than SiLU, PEFT adapters other than vanilla LoRA on the layers' projections —
+get ``None`` from :func:`fast_decoder_for`, and sampling takes the HF step.
+
+A LoRA team samples all its roles in one batch, each row with its role's adapter (PEFT's
+``adapter_names``).  For vanilla LoRA (:func:`lora_supported`) the step runs on the base model and
+adds each row's LoRA delta as PEFT's mixed-batch forward computes it (:class:`LoraRows`; once the
+call's weights are packed, from LoRA weights cast once and an adapter's A matrices of a group
+stacked): the same tokens and log-probs bit for bit under bf16 autocast.  A 4-role LoRA team
+(rank 16, 16 rows) drew a token step in 95–100 ms against PEFT's HF step's 166–185
+(``benchmarks/bench_sampling.py --lora 4``, row 15 of benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -100,6 +108,33 @@ def _stacked(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
+@dataclass
+class PackedLora:
+    """One adapter's LoRA on a group of projections that read one input, in the matmul dtype:
+    its A matrices stacked (one matmul for the group: each output column is the same dot product
+    as alone — bit for bit, tested), and per projection its output columns, B and scaling."""
+
+    a: torch.Tensor  # (Σ r, in)
+    parts: list[tuple[int, int, int, torch.Tensor, float]]  # (first output column, width, r, B (width, r), scaling)
+
+
+def _packed_lora(modules, dtype: torch.dtype) -> dict[str, PackedLora]:
+    """adapter name → its :class:`PackedLora` over ``modules`` (those of them it adapts)."""
+    names = {name for m in modules for name in getattr(m, "lora_A", {})}
+    packed = {}
+    for name in sorted(names):
+        a, parts, col = [], [], 0
+        for m in modules:
+            width = _base(m).weight.shape[0]
+            if name in getattr(m, "lora_A", {}):
+                A, B = m.lora_A[name].weight.detach(), m.lora_B[name].weight.detach()
+                a.append(A)
+                parts.append((col, width, A.shape[0], B.to(dtype), m.scaling[name]))
+            col += width
+        packed[name] = PackedLora(a=_stacked(a, dtype), parts=parts)
+    return packed
+
+
 class PackedLinears:
     """Every projection of the model packed once into oneDNN's layout, for one sampling call.
 
@@ -117,6 +152,7 @@ class PackedLinears:
     def __init__(self, groups, dtype: torch.dtype, batch_hint: int):
         self.dtype = dtype
         self.packed = {}
+        self.lora: dict[tuple[int, ...], dict[str, PackedLora]] = {}  # a group of PEFT LoRA layers
         for modules in groups:
             linears = [_base(m) for m in modules]
             w = _stacked([m.weight.detach() for m in linears], dtype)
@@ -126,6 +162,8 @@ class PackedLinears:
                               for m in linears], dtype)
             sizes = [m.weight.shape[0] for m in linears]
             self.packed[tuple(id(m) for m in modules)] = (torch.ops.mkldnn._reorder_linear_weight(w, batch_hint), b, sizes)
+            if any(hasattr(m, "lora_A") for m in modules):
+                self.lora[tuple(id(m) for m in modules)] = _packed_lora(modules, dtype)
 
     def __call__(self, x: torch.Tensor, *modules, joint: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """``x`` through ``modules`` (a group packed together): one output, or one per module —
@@ -171,6 +209,11 @@ def lora_supported(model) -> bool:
     return wrapped > 0
 
 
+def _dropout_acts(module) -> bool:
+    """Whether any of a LoRA layer's dropouts would act now (training mode, p > 0)."""
+    return any(d.training and getattr(d, "p", 0) > 0 for d in getattr(module, "lora_dropout", {}).values())
+
+
 class LoraRows:
     """Which rows of a decode batch carry which PEFT LoRA adapter (a LoRA team samples all its
     roles in one batch), and the step's projections with those rows' LoRA deltas added.
@@ -191,22 +234,50 @@ class LoraRows:
         self.rows = {name: torch.tensor(r, device=device) for name, r in rows.items() if name != "__base__"}
 
     def linear(self, base):
-        """``base`` (:class:`PackedLinears` or :func:`_plain_linears`) plus these rows' deltas."""
+        """``base`` (:class:`PackedLinears` or :func:`_plain_linears`) plus these rows' deltas:
+        through PEFT's own modules on the live weights, or — once the call's weights are packed —
+        from the LoRA weights :class:`PackedLinears` cast once to the matmul dtype (what autocast
+        casts them to on every call), each adapter's rows gathered once for a group of
+        projections and the deltas added in place."""
+        packed = base.lora if isinstance(base, PackedLinears) else None
 
         def project(x: torch.Tensor, *modules, joint: bool = False):
             out = base(x, *modules, joint=True)  # (B, Σ out): the group's outputs side by side
             widths = [_base(m).weight.shape[0] for m in modules]
-            col = 0
-            for m, width in zip(modules, widths):
-                for name, idx in self.rows.items():
-                    if name in getattr(m, "lora_A", ()):
-                        sub = x[idx].to(m.lora_A[name].weight.dtype)
-                        delta = m.lora_B[name](m.lora_A[name](m.lora_dropout[name](sub))) * m.scaling[name]
-                        out[idx, col:col + width] += delta.to(out.dtype)
-                col += width
+            if packed is None or any(_dropout_acts(m) for m in modules):
+                self._add_through_modules(out, x, modules, widths)
+            else:
+                self._add_packed(out, x, packed.get(tuple(id(m) for m in modules), {}), base.dtype)
             return out if joint or len(modules) == 1 else out.split(widths, dim=-1)
 
         return project
+
+    def _add_through_modules(self, out, x, modules, widths) -> None:
+        """PEFT's ``_mixed_batch_forward`` delta by delta, through its modules."""
+        col = 0
+        for m, width in zip(modules, widths):
+            for name, idx in self.rows.items():
+                if name in getattr(m, "lora_A", ()):
+                    sub = x[idx].to(m.lora_A[name].weight.dtype)
+                    delta = m.lora_B[name](m.lora_A[name](m.lora_dropout[name](sub))) * m.scaling[name]
+                    out[idx, col:col + width] += delta.to(out.dtype)
+            col += width
+
+    def _add_packed(self, out, x, group: dict[str, PackedLora], dtype) -> None:
+        """The same deltas from the call's :class:`PackedLora`.  The input goes straight to the
+        matmul dtype: PEFT casts it to the LoRA weights' dtype and autocast then to the matmul
+        dtype, and a bf16 → float32 → bf16 round trip is exact.  ``index_add_`` adds each delta
+        to its rows in the output's dtype, as PEFT's ``result[rows] += delta`` does."""
+        for name, idx in self.rows.items():
+            lora = group.get(name)
+            if lora is None:
+                continue
+            z = F.linear(x[idx].to(dtype), lora.a)  # (rows, Σ r): every projection's A at once
+            first = 0
+            for col, width, r, b, scaling in lora.parts:
+                delta = F.linear(z[:, first:first + r], b) * scaling
+                out[:, col:col + width].index_add_(0, idx, delta.to(out.dtype))
+                first += r
 
 
 @dataclass
