@@ -43,10 +43,11 @@ get ``None`` from :func:`fast_decoder_for`, and sampling takes the HF step.
 A LoRA team samples all its roles in one batch, each row with its role's adapter (PEFT's
 ``adapter_names``).  For vanilla LoRA (:func:`lora_supported`) the step runs on the base model and
 adds each row's LoRA delta as PEFT's mixed-batch forward computes it (:class:`LoraRows`; once the
-call's weights are packed, from LoRA weights cast once and an adapter's A matrices of a group
-stacked): the same tokens and log-probs bit for bit under bf16 autocast.  A 4-role LoRA team
-(rank 16, 16 rows) drew a token step in 95–100 ms against PEFT's HF step's 166–185
-(``benchmarks/bench_sampling.py --lora 4``, row 15 of benchmarks/README.md).
+call's weights are packed, from LoRA weights cast once, every row's delta of a projection group
+in two matmuls: :class:`TeamLora`): the same tokens and log-probs bit for bit under bf16
+autocast.  A 4-role LoRA team (rank 16, 16 rows) drew a token step in 53–55 ms against PEFT's
+HF step's 149–158 (``benchmarks/bench_sampling.py --lora 4``, row 15 of benchmarks/README.md) —
+about a plain model's step.
 """
 
 from __future__ import annotations
@@ -111,11 +112,17 @@ def _stacked(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
 @dataclass
 class PackedLora:
     """One adapter's LoRA on a group of projections that read one input, in the matmul dtype:
-    its A matrices stacked (one matmul for the group: each output column is the same dot product
-    as alone — bit for bit, tested), and per projection its output columns, B and scaling."""
+    its A matrices stacked (one matmul for the group), and per projection its output columns, B
+    and scaling.  Where the adapter adapts every projection of the group with one scaling, its B
+    matrices also stand block-diagonally in one (Σ out, Σ r) matrix (``b``): one matmul for the
+    group's deltas.  Either stack gives each output the same dot product over the same terms as
+    the matmuls one by one (the other terms are exact zeros), and on this CPU's kernels the same
+    bits (tests compare the samples and log-probs with PEFT's)."""
 
     a: torch.Tensor  # (Σ r, in)
     parts: list[tuple[int, int, int, torch.Tensor, float]]  # (first output column, width, r, B (width, r), scaling)
+    b: torch.Tensor | None = None  # (Σ out, Σ r) block-diagonal, or None
+    scaling: float | None = None  # with ``b``: the one scaling
 
 
 def _packed_lora(modules, dtype: torch.dtype) -> dict[str, PackedLora]:
@@ -131,8 +138,46 @@ def _packed_lora(modules, dtype: torch.dtype) -> dict[str, PackedLora]:
                 a.append(A)
                 parts.append((col, width, A.shape[0], B.to(dtype), m.scaling[name]))
             col += width
-        packed[name] = PackedLora(a=_stacked(a, dtype), parts=parts)
+        lora = PackedLora(a=_stacked(a, dtype), parts=parts)
+        if len(parts) == len(modules) and len({p[4] for p in parts}) == 1:
+            lora.b = torch.zeros((col, sum(p[2] for p in parts)), dtype=dtype, device=lora.a.device)
+            first = 0
+            for start, width, r, b, _ in parts:
+                lora.b[start:start + width, first:first + r] = b
+                first += r
+            lora.scaling = parts[0][4]
+        packed[name] = lora
     return packed
+
+
+@dataclass
+class TeamLora:
+    """Every adapter's LoRA on one group of projections, for all rows of a step at once: the
+    adapters' stacked A matrices (adapter i's at rows i·R ...), then each row keeps only its own
+    adapter's R columns (the others set to exact zeros), then the adapters' block-diagonal B
+    matrices side by side (adapter i's at columns i·R ...).  Each row's delta is the same sum of
+    the same terms as its adapter's alone, plus exact zeros (the same bits here: tested against
+    PEFT) — two matmuls a group instead of two for each adapter."""
+
+    names: tuple[str, ...]
+    a: torch.Tensor  # (n·R, in)
+    b: torch.Tensor  # (Σ out, n·R)
+    block: int  # R
+    scaling: float
+
+
+def _team_lora(per_adapter: dict[str, PackedLora]) -> TeamLora | None:
+    """The group's :class:`TeamLora`, where every adapter adapts every projection of it with one
+    rank and one scaling (else None: each adapter's deltas are added in turn)."""
+    loras = list(per_adapter.values())
+    if not loras or any(lora.b is None for lora in loras):
+        return None
+    if len({lora.b.shape[1] for lora in loras}) != 1 or len({lora.scaling for lora in loras}) != 1:
+        return None
+    names = tuple(sorted(per_adapter))
+    return TeamLora(names=names, a=torch.cat([per_adapter[n].a for n in names]),
+                    b=torch.cat([per_adapter[n].b for n in names], dim=1), block=loras[0].b.shape[1],
+                    scaling=loras[0].scaling)
 
 
 class PackedLinears:
@@ -153,6 +198,7 @@ class PackedLinears:
         self.dtype = dtype
         self.packed = {}
         self.lora: dict[tuple[int, ...], dict[str, PackedLora]] = {}  # a group of PEFT LoRA layers
+        self.team_lora: dict[tuple[int, ...], TeamLora | None] = {}
         for modules in groups:
             linears = [_base(m) for m in modules]
             w = _stacked([m.weight.detach() for m in linears], dtype)
@@ -163,7 +209,9 @@ class PackedLinears:
             sizes = [m.weight.shape[0] for m in linears]
             self.packed[tuple(id(m) for m in modules)] = (torch.ops.mkldnn._reorder_linear_weight(w, batch_hint), b, sizes)
             if any(hasattr(m, "lora_A") for m in modules):
-                self.lora[tuple(id(m) for m in modules)] = _packed_lora(modules, dtype)
+                key = tuple(id(m) for m in modules)
+                self.lora[key] = _packed_lora(modules, dtype)
+                self.team_lora[key] = _team_lora(self.lora[key])
 
     def __call__(self, x: torch.Tensor, *modules, joint: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """``x`` through ``modules`` (a group packed together): one output, or one per module —
@@ -231,7 +279,9 @@ class LoraRows:
         for b, name in enumerate(adapters):
             rows.setdefault(name, []).append(b)
         self.adapters = tuple(adapters)
+        self.device = device
         self.rows = {name: torch.tensor(r, device=device) for name, r in rows.items() if name != "__base__"}
+        self._masks: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def linear(self, base):
         """``base`` (:class:`PackedLinears` or :func:`_plain_linears`) plus these rows' deltas:
@@ -239,15 +289,18 @@ class LoraRows:
         from the LoRA weights :class:`PackedLinears` cast once to the matmul dtype (what autocast
         casts them to on every call), each adapter's rows gathered once for a group of
         projections and the deltas added in place."""
-        packed = base.lora if isinstance(base, PackedLinears) else None
+        packed = base if isinstance(base, PackedLinears) else None
 
         def project(x: torch.Tensor, *modules, joint: bool = False):
             out = base(x, *modules, joint=True)  # (B, Σ out): the group's outputs side by side
             widths = [_base(m).weight.shape[0] for m in modules]
+            key = tuple(id(m) for m in modules)
             if packed is None or any(_dropout_acts(m) for m in modules):
                 self._add_through_modules(out, x, modules, widths)
-            else:
-                self._add_packed(out, x, packed.get(tuple(id(m) for m in modules), {}), base.dtype)
+            elif packed.team_lora.get(key) is not None:
+                self._add_team(out, x, packed.team_lora[key], packed.dtype)
+            elif key in packed.lora:  # (the head has none)
+                self._add_packed(out, x, packed.lora[key], packed.dtype)
             return out if joint or len(modules) == 1 else out.split(widths, dim=-1)
 
         return project
@@ -263,6 +316,30 @@ class LoraRows:
                     out[idx, col:col + width] += delta.to(out.dtype)
             col += width
 
+    def _team_mask(self, team: TeamLora) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, n·R) bool: the columns of each row's own adapter; and the rows with an adapter of
+        the team (None: all of them)."""
+        key = (team.names, team.block)
+        if key not in self._masks:
+            position = {name: i for i, name in enumerate(team.names)}
+            which = torch.tensor([position.get(a, -1) for a in self.adapters], device=self.device)
+            columns = torch.arange(len(team.names) * team.block, device=self.device) // team.block
+            adapted = which >= 0
+            self._masks[key] = (which[:, None] == columns[None, :],
+                                None if bool(adapted.all()) else adapted.nonzero().squeeze(1))
+        return self._masks[key]
+
+    def _add_team(self, out, x, team: TeamLora, dtype) -> None:
+        """Every row's delta of a group at once (:class:`TeamLora`), added to the rows that have an
+        adapter (PEFT adds nothing to the others)."""
+        mask, adapted = self._team_mask(team)
+        z = torch.where(mask, F.linear(x.to(dtype), team.a), 0)  # (B, n·R): each row's own adapter's
+        delta = (F.linear(z, team.b) * team.scaling).to(out.dtype)
+        if adapted is None:
+            out.add_(delta)
+        else:
+            out.index_add_(0, adapted, delta[adapted])
+
     def _add_packed(self, out, x, group: dict[str, PackedLora], dtype) -> None:
         """The same deltas from the call's :class:`PackedLora`.  The input goes straight to the
         matmul dtype: PEFT casts it to the LoRA weights' dtype and autocast then to the matmul
@@ -273,6 +350,9 @@ class LoraRows:
             if lora is None:
                 continue
             z = F.linear(x[idx].to(dtype), lora.a)  # (rows, Σ r): every projection's A at once
+            if lora.b is not None:  # every projection's B at once
+                out.index_add_(0, idx, (F.linear(z, lora.b) * lora.scaling).to(out.dtype))
+                continue
             first = 0
             for col, width, r, b, scaling in lora.parts:
                 delta = F.linear(z[:, first:first + r], b) * scaling

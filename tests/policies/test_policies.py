@@ -552,9 +552,17 @@ def test_fast_decode_declines_models_outside_its_family():
     assert fast_decoder_for(model) is None
 
 
-def _lora_team(scale=0.5):
-    """A LoRA team of three roles whose adapters really differ (PEFT starts every B at zero)."""
-    ps = build_policies("lora", "tiny-llama", ["x", "y", "z"], lora=LoraSettings(r=4, alpha=8))
+def _lora_team(scale=0.5, variant="team"):
+    """A LoRA team of three roles whose adapters really differ (PEFT starts every B at zero).
+    ``variant``: ``team`` (every projection, one rank and scaling: the step adds all rows' deltas
+    at once), ``scalings`` (role y's scaling differs: each adapter's deltas in turn), ``q_v`` (q and v
+    only: each projection's delta in turn)."""
+    targets = ("q_proj", "v_proj") if variant == "q_v" else LoraSettings().target_modules
+    ps = build_policies("lora", "tiny-llama", ["x", "y", "z"], lora=LoraSettings(r=4, alpha=8, target_modules=targets))
+    if variant == "scalings":
+        for m in ps.model.modules():
+            if hasattr(m, "lora_A") and "y" in m.scaling:
+                m.scaling["y"] = 3.0
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in ps.model.named_parameters():
@@ -564,12 +572,12 @@ def _lora_team(scale=0.5):
     return ps
 
 
-@pytest.mark.parametrize("bf16", [False, True])
-def test_fast_decode_samples_what_peft_samples_in_a_mixed_adapter_batch(bf16):
+@pytest.mark.parametrize("bf16, variant", [(False, "team"), (True, "team"), (True, "scalings"), (True, "q_v")])
+def test_fast_decode_samples_what_peft_samples_in_a_mixed_adapter_batch(bf16, variant):
     """A LoRA team's roles in one batch (and a row of the base model): the lean step adds each
     row's LoRA delta as PEFT's mixed-batch forward does — the same tokens, the same log-probs,
-    through the weights' packing after 8 steps."""
-    ps = _lora_team()
+    through the weights' packing after 8 steps, however the deltas are grouped."""
+    ps = _lora_team(variant=variant)
     prompts, params = _mixed_prompts(ps.tokenizer, 8), _mixed_params(8)
     params[0] = SamplingParams(max_new_tokens=20)  # long enough to run packed
     names = ["x", "y", "z", "__base__", "y", "x", "z", "x"]
