@@ -44,8 +44,9 @@ A LoRA team samples all its roles in one batch, each row with its role's adapter
 ``adapter_names``).  For vanilla LoRA (:func:`lora_supported`) the step runs on the base model and
 adds each row's LoRA delta as PEFT's mixed-batch forward computes it (:class:`LoraRows`; once the
 call's weights are packed, from LoRA weights cast once, every row's delta of a projection group
-in two matmuls: :class:`TeamLora`): the same tokens and log-probs bit for bit under bf16
-autocast.  A 4-role LoRA team (rank 16, 16 rows) drew a token step in 53–55 ms against PEFT's
+in two matmuls: :class:`TeamLora`): on the test models the same tokens and log-probs as PEFT's
+HF step bit for bit under bf16 autocast (as the plain step's, its draws part from HF's after a
+while on SmolLM2, whose logits the two steps compute differently in the last bits).  A 4-role LoRA team (rank 16, 16 rows) drew a token step in 53–55 ms against PEFT's
 HF step's 149–158 (``benchmarks/bench_sampling.py --lora 4``, row 15 of benchmarks/README.md) —
 about a plain model's step.
 """
