@@ -169,11 +169,16 @@ class TeamLora:
 
 def _team_lora(per_adapter: dict[str, PackedLora]) -> TeamLora | None:
     """The group's :class:`TeamLora`, where every adapter adapts every projection of it with one
-    rank and one scaling (else None: each adapter's deltas are added in turn)."""
+    rank and one scaling, and the adapters' B side by side are no larger than the group's own
+    weights (else None: each adapter's deltas are added in turn — with many adapters the stacked
+    matmuls would cost more than the projections)."""
     loras = list(per_adapter.values())
     if not loras or any(lora.b is None for lora in loras):
         return None
     if len({lora.b.shape[1] for lora in loras}) != 1 or len({lora.scaling for lora in loras}) != 1:
+        return None
+    rank, in_features = loras[0].b.shape[1], loras[0].a.shape[1]
+    if len(loras) * rank > in_features:  # (Σ out, n·R) larger than the (Σ out, in) projections
         return None
     names = tuple(sorted(per_adapter))
     return TeamLora(names=names, a=torch.cat([per_adapter[n].a for n in names]),
