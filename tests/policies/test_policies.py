@@ -432,6 +432,20 @@ def test_a_call_over_its_kv_budget_is_split_and_greedy_rows_are_unchanged(monkey
     assert set(calls) == {1}, "one row per call"
 
 
+def _one_step_inputs(tok):
+    """Three left-padded prompts of different lengths and one next token each: (3, P + 1) ids and
+    attention mask, and P (the prompts' padded length)."""
+    prompts = _mixed_prompts(tok, 3)
+    P = max(len(p) for p in prompts)
+    ids = torch.zeros(3, P + 1, dtype=torch.long)
+    attn = torch.zeros(3, P + 1, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p):P] = torch.tensor(p)
+        attn[i, P - len(p):] = 1
+    ids[:, P] = torch.tensor([5, 17, 42])
+    return ids, attn, P
+
+
 @pytest.mark.parametrize("model_name", ["tiny-llama", "tiny-qwen2"])
 def test_fast_decode_step_logits_equal_hf_forward(model_name):
     """One step from a left-padded prefill: the lean step's logits are the HF forward's."""
@@ -442,14 +456,7 @@ def test_fast_decode_step_logits_equal_hf_forward(model_name):
 
     model, tok = load_model(model_name)
     model.eval()
-    prompts = _mixed_prompts(tok, 3)
-    P = max(len(p) for p in prompts)
-    ids = torch.zeros(3, P + 1, dtype=torch.long)
-    attn = torch.zeros(3, P + 1, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, P - len(p):P] = torch.tensor(p)
-        attn[i, P - len(p):] = 1
-    ids[:, P] = torch.tensor([5, 17, 42])
+    ids, attn, P = _one_step_inputs(tok)
     with torch.no_grad():
         full = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn)).logits[:, -1]
         cache = DynamicCache()
@@ -603,14 +610,7 @@ def test_a_lora_step_gives_pefts_logits():
 
     ps = _lora_team()
     model, names = ps.model, ["z", "x", "y"]
-    prompts = _mixed_prompts(ps.tokenizer, 3)
-    P = max(len(p) for p in prompts)
-    ids = torch.zeros(3, P + 1, dtype=torch.long)
-    attn = torch.zeros(3, P + 1, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, P - len(p):P] = torch.tensor(p)
-        attn[i, P - len(p):] = 1
-    ids[:, P] = torch.tensor([5, 17, 42])
+    ids, attn, P = _one_step_inputs(ps.tokenizer)
     with torch.no_grad():
         full = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn),
                      adapter_names=names).logits[:, -1]
