@@ -17,16 +17,20 @@ from pathlib import Path
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
-# (study label, results file, metric, dataset, held out?) — the rows of the summary table
+# (study label, results file, metric, dataset, held out?, method contrasts only?) — the rows of the
+# summary table.  "Method contrasts only" keeps the comparisons whose two cells differ in the
+# method alone (srpo-X against grpo-X): a factorial study's runner also compares every cell with
+# the primary baseline across rewards and layouts, which are not method comparisons.
 LLM_STUDIES = [
-    ("(h) powered K = 5", "results_powered_k5.json", "avg@4", "macro", True),
-    ("(i) sum vs sqrt", "results_sum_deficit.json", "avg@4", "macro", True),
-    ("(j) gateway vs built-in", "results_gateway_vs_builtin.json", "avg@8", "macro", True),
-    ("(k) overlap vs sync", "results_overlap_learning.json", "avg@8", "macro", True),
-    ("(e) search warm start", "results_search_warmstart.json", "avg@2", "kb-heldout", True),
-    ("(d) cardinality", "results_cardinality.json", "avg@2", "macro", False),
-    ("(f) reduction ablation", "results_reduction_clip.json", "avg@2", "macro", False),
-    ("(g) Gemma-3-270M", "results_gemma_scale.json", "avg@2", "macro", False),
+    ("(n) parts team", "results_parts_team.json", "per_part", "parts-test", True, True),
+    ("(h) powered K = 5", "results_powered_k5.json", "avg@4", "macro", True, False),
+    ("(i) sum vs sqrt", "results_sum_deficit.json", "avg@4", "macro", True, False),
+    ("(j) gateway vs built-in", "results_gateway_vs_builtin.json", "avg@8", "macro", True, False),
+    ("(k) overlap vs sync", "results_overlap_learning.json", "avg@8", "macro", True, False),
+    ("(e) search warm start", "results_search_warmstart.json", "avg@2", "kb-heldout", True, False),
+    ("(d) cardinality", "results_cardinality.json", "avg@2", "macro", False, False),
+    ("(f) reduction ablation", "results_reduction_clip.json", "avg@2", "macro", False, False),
+    ("(g) Gemma-3-270M", "results_gemma_scale.json", "avg@2", "macro", False, False),
 ]
 GAME = "study_data/coordination_game/results.json"
 
@@ -34,13 +38,20 @@ GAME = "study_data/coordination_game/results.json"
 def llm_rows(docs: Path) -> list[dict]:
     """One row per comparison: label, mean, ci95, significant, held_out."""
     rows = []
-    for study, name, metric, dataset, held_out in LLM_STUDIES:
+    for study, name, metric, dataset, held_out, method_only in LLM_STUDIES:
         for c in json.loads((docs / name).read_text())["comparisons"]:
+            if method_only and _arm(c["cell"]) != _arm(c["baseline"]):
+                continue
             if c.get("metric") == metric and c.get("dataset", "macro") == dataset:
                 rows.append({"label": f"{study}: {c['cell']} − {c['baseline']} (n={c['n']})",
                              "mean": c["mean"], "ci95": c["ci95"], "significant": c["significant"],
                              "held_out": held_out})
     return rows
+
+
+def _arm(cell: str) -> str:
+    """A factorial cell's label without its method: ``srpo-joint-lora`` -> ``joint-lora``."""
+    return cell.split("-", 1)[1] if "-" in cell else ""
 
 
 def game_rows(docs: Path) -> list[dict]:
@@ -79,8 +90,8 @@ def draw(docs: Path, out: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 0.26 * max(len(llm), len(game)) + 1.6))
     panel(left, llm, "LLM studies: paired difference in accuracy, 95 % CI\n"
           "filled: held-out problems; open: training distribution", "difference in accuracy")
-    panel(right, game, "(l) coordination game: SRPO-sqrt − GRPO, 95 % CI\n"
-          "mean expected reward, updates 1–20 (raw scale)", "difference in expected reward")
+    panel(right, game, "(l) coordination game: SRPO-sqrt − GRPO\n"
+          "95 % CI, mean expected reward, updates 1–20 (raw scale)", "difference in expected reward")
     fig.text(0.5, 0.005, "red: significant after Holm within the study; grey: not "
              "(python scripts/forest_plot.py)", ha="center", fontsize=8)
     fig.tight_layout(rect=(0, 0.03, 1, 1))

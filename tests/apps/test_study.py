@@ -145,6 +145,27 @@ def test_references_are_evaluated_untrained_with_their_own_overrides(tmp_path):
         run_study(study, progress=False)
 
 
+def test_held_out_sizes_load_each_set_as_the_study_s_own_task_kind(tmp_path):
+    """A study that overrides task.kind (parts on a math base) counts its held-out problems with
+    that kind: with the base's kind the parts source fails to load and the count was silently lost."""
+    from srpo.apps.study.schema import heldout_sizes, load_study
+
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump({
+        "model": {"name": "tiny-llama"}, "workflow": {"name": "parallel_aggregate"},
+        "task": {"kind": "math", "train": {"source": "synthetic_arithmetic", "level": 0, "n": 8}},
+    }))
+    study = tmp_path / "study.yaml"
+    study.write_text(yaml.safe_dump({
+        "output_dir": str(tmp_path / "out"), "base": "base.yaml", "seeds": [0],
+        "overrides": {"task.kind": "parts", "workflow.name": "parts", "workflow.options": {"max_parts": 4},
+                      "task.train": {"source": "synthetic_parts", "n": 8, "level": 0, "split": "train"}},
+        "axes": {"method": [{"label": "srpo", "set": {}}]},
+        "eval": {"k": 1, "datasets": [{"source": "synthetic_parts", "level": 0, "n": 30, "seed": 777,
+                                       "split": "test", "name": "parts-test"}]},
+    }))
+    assert heldout_sizes(load_study(study, check_cells=False)) == {"parts-test": 30}
+
+
 def test_mechanism_reads_by_k_metrics_per_seed(tmp_path):
     from srpo.apps.study.statistics import mechanism
 

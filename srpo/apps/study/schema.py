@@ -236,7 +236,9 @@ def heldout_sizes(spec: dict) -> dict[str, int]:
         return spec["_heldout_sizes"]
     from srpo.data import load_tasks, source_name
 
-    kind = (spec.get("base_config") or {}).get("task", {}).get("kind", "math")
+    # The study's own overrides may set the kind (study (n) runs task.kind: parts on a math base).
+    base_kind = (spec.get("base_config") or {}).get("task", {}).get("kind", "math")
+    kind = (spec.get("overrides") or {}).get("task.kind", base_kind)
     out = {}
     for src in spec["eval_sources"]:
         try:
