@@ -94,9 +94,11 @@ def power(sd: float, n: int, effect: float, alpha: float = ALPHA) -> float:
     deviation ``sd``, to detect a true mean difference ``effect`` (noncentral t)."""
     if n < 2 or not sd > 0:
         return float("nan")
-    df, nc = n - 1, effect / (sd / math.sqrt(n))
+    df, nc = n - 1, abs(effect) / (sd / math.sqrt(n))  # the power is symmetric in the sign
     crit = _st.t.ppf(1 - alpha / 2, df)
-    return float(_st.nct.sf(crit, df, nc) + _st.nct.cdf(-crit, df, nc))
+    far_tail = _st.nct.cdf(-crit, df, nc)
+    # scipy returns nan for the far tail once nc is large (about 20); it is below 1e-35 there.
+    return float(_st.nct.sf(crit, df, nc) + (0.0 if math.isnan(far_tail) else far_tail))
 
 
 def detectable(sd: float, n: int, target: float = 0.8, alpha: float = ALPHA) -> float:

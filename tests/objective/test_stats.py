@@ -42,6 +42,9 @@ def test_power_and_seeds_needed():
     assert 12 <= n <= 16 and stats.power(0.12, n, 0.10) >= 0.8 > stats.power(0.12, n - 1, 0.10)
     assert stats.power(0.1, 20, 0.0) == pytest.approx(0.05, abs=1e-6)  # no effect: power = alpha
     assert stats.detectable(0.12, n) == pytest.approx(0.10, abs=0.01)
+    # A difference many SEs wide (study (n): SD 0.037, 20 seeds, 0.10): power 1, not scipy's nan
+    # far tail; and the sign of the difference does not matter.
+    assert stats.power(0.037, 20, 0.10) == pytest.approx(1.0) == stats.power(0.037, 20, -0.10)
 
 
 def _record(label, seed, value, kb=None):
