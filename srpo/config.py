@@ -311,7 +311,11 @@ class TrainConfig(Section):
     benchmarks/bench_memory.py); on single-agent GRPO it costs the update 1.2–1.6× and is what
     keeps the peak at ≤ 0.75× TRL's (0.71–0.74× on, 0.89–0.93× off;
     benchmarks/bench_checkpointing_cost.py): set false where speed matters more than memory.  Off
-    on CUDA, where its cost has not been measured here."""
+    on CUDA, where its cost has not been measured here.  To keep checkpointing but trade some
+    memory for speed, set ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` (e.g. 268435456)
+    in the environment: srpo then leaves glibc alone; at 256 MiB an update forwarding every event
+    ran 4–7 % faster, and a (16, 256) update 1.4× faster but peaked at 2.5× its floor against 1.8×
+    (benchmarks/README.md)."""
     chunk_tokens: PositiveInt = DEFAULT_CHUNK_TOKENS
     """Positions per vocabulary-projection chunk in the log-prob pass."""
     length_groups: PositiveInt | None = None
