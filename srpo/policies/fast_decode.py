@@ -182,8 +182,7 @@ def _team_lora(per_adapter: dict[str, PackedLora]) -> TeamLora | None:
         return None
     names = tuple(sorted(per_adapter))
     return TeamLora(names=names, a=torch.cat([per_adapter[n].a for n in names]),
-                    b=torch.cat([per_adapter[n].b for n in names], dim=1), block=loras[0].b.shape[1],
-                    scaling=loras[0].scaling)
+                    b=torch.cat([per_adapter[n].b for n in names], dim=1), block=rank, scaling=loras[0].scaling)
 
 
 class PackedLinears:

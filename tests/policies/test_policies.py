@@ -584,7 +584,18 @@ def test_fast_decode_samples_what_peft_samples_in_a_mixed_adapter_batch(bf16, va
     """A LoRA team's roles in one batch (and a row of the base model): the lean step adds each
     row's LoRA delta as PEFT's mixed-batch forward does — the same tokens, the same log-probs,
     through the weights' packing after 8 steps, however the deltas are grouped."""
+    from srpo.policies.fast_decode import fast_decoder_for
+
     ps = _lora_team(variant=variant)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):  # the grouping this variant is for
+        packed = fast_decoder_for(ps.model, adapters=True)._pack(8)
+    groups = [g for g in packed.lora.values() if g]
+    teams = [packed.team_lora[k] for k, g in packed.lora.items() if g]
+    assert groups and {
+        "team": all(t is not None for t in teams),
+        "scalings": all(t is None for t in teams) and all(lora.b is not None for g in groups for lora in g.values()),
+        "q_v": all(t is None for t in teams) and all(lora.b is None for g in groups for lora in g.values()),
+    }[variant]
     prompts, params = _mixed_prompts(ps.tokenizer, 8), _mixed_params(8)
     params[0] = SamplingParams(max_new_tokens=20)  # long enough to run packed
     names = ["x", "y", "z", "__base__", "y", "x", "z", "x"]
