@@ -314,7 +314,7 @@ class TrainConfig(Section):
     on CUDA, where its cost has not been measured here.  To keep checkpointing but trade some
     memory for speed, set ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` (e.g. 268435456)
     in the environment: srpo then leaves glibc alone; at 256 MiB an update forwarding every event
-    ran 4–7 % faster, and a (16, 256) update 1.4× faster but peaked at 2.5× its floor against 1.8×
+    ran 3–7 % faster, and a (16, 256) update 1.4× faster but peaked at 2.5× its floor against 1.8×
     (benchmarks/README.md)."""
     chunk_tokens: PositiveInt = DEFAULT_CHUNK_TOKENS
     """Positions per vocabulary-projection chunk in the log-prob pass."""
