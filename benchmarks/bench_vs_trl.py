@@ -18,6 +18,8 @@ optimizer, activations, allocator caches), each against TRL's.  Needs `pip insta
     python benchmarks/bench_vs_trl.py --profile --steps 11 --rounds 2   # where one srpo step goes (every event
                                                             # forwarded, and by default) against what its
                                                             # matmuls and attention alone take
+    python benchmarks/bench_vs_trl.py --profile --steps 11 --rounds 2 --labels "every event forwarded" \
+        --train '{"activation_checkpointing": false}'   # the same with srpo's train settings changed
 """
 
 from __future__ import annotations
@@ -113,7 +115,9 @@ def _profile_steps(trainer, steps: int) -> dict:
     return {"steps": profiled,
             "table": averages.table(sort_by="cpu_time_total", row_limit=45, max_name_column_width=60)}
 
-def run_trl(steps: int, threads: int) -> dict:
+def run_trl(steps: int, threads: int, train: dict | None = None) -> dict:
+    if train:
+        raise SystemExit("--train sets srpo's train.* settings; TRL's side has none")
     import torch
 
     torch.set_num_threads(threads)
@@ -166,7 +170,8 @@ def run_trl(steps: int, threads: int) -> dict:
 SIDES = {
     "ours": ("srpo (single + grpo)", run_ours),
     "ours_forward_all": ("srpo, every event forwarded (`skip_zero_advantage: false`)",
-                         lambda steps, threads: run_ours(steps, threads, skip_zero_advantage=False)),
+                         lambda steps, threads, train=None: run_ours(steps, threads, skip_zero_advantage=False,
+                                                                     train=train)),
     "trl": ("TRL 1.16 GRPOTrainer (bf16, static cache)", run_trl),
 }
 
@@ -176,7 +181,8 @@ PROFILED = {"every event forwarded": ("profile_forward_all", "ours_forward_all")
 PROFILE_CHILDREN = {"profile_forward_all": False, "profile_default": True}  # child → skip_zero_advantage
 
 
-def profile_both(steps: int, threads: int, out: str, rounds: int = 1) -> None:
+def profile_both(steps: int, threads: int, out: str, rounds: int = 1, train: dict | None = None,
+                 labels: list[str] | None = None) -> None:
     """``--profile``: srpo's step time per completion token against its arithmetic floor, every
     event forwarded and by default.  For each, two fresh processes run the same ``steps`` steps
     (the same problems, seeds and weights): one profiles every step after the first (the floor:
@@ -187,21 +193,25 @@ def profile_both(steps: int, threads: int, out: str, rounds: int = 1) -> None:
     setting's, and every round's step pairs are pooled: this machine's speed drifts by ±10 %
     between processes minutes apart, which one pair of runs cannot average out.  Reported: the
     median over all pairs and their range, each round's median, the profiled steps' own ratio
-    beside it, and the last step's profile."""
+    beside it, and the last step's profile.  ``train``: further ``train.*`` settings for srpo's
+    runs (``--train``, a JSON object); ``labels``: profile only these of :data:`PROFILED`."""
     if steps < 2:
         raise SystemExit("--profile needs --steps ≥ 2: a warm-up step, then the steps it profiles and times")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    pairs: dict[str, list[list[tuple]]] = {label: [] for label in PROFILED}
+    chosen = {label: PROFILED[label] for label in (labels or PROFILED)}
+    pairs: dict[str, list[list[tuple]]] = {label: [] for label in chosen}
+    settings = ["--train", json.dumps(train)] if train else []
     tables = {}
     for _ in range(rounds):
-        for label, (profile_child, timed_child) in PROFILED.items():
-            prof = run_child([__file__, "--child", profile_child, "--steps", steps, "--threads", threads], env=env,
-                             what=f"the profile ({label})")
-            timed = run_child([__file__, "--child", timed_child, "--steps", steps, "--threads", threads], env=env,
-                              what=f"the timed run ({label})")
+        for label, (profile_child, timed_child) in chosen.items():
+            prof = run_child([__file__, "--child", profile_child, "--steps", steps, "--threads", threads, *settings],
+                             env=env, what=f"the profile ({label})")
+            timed = run_child([__file__, "--child", timed_child, "--steps", steps, "--threads", threads, *settings],
+                              env=env, what=f"the timed run ({label})")
             tables[label] = prof["table"]
             pairs[label].append(list(zip(prof["steps"], timed["step_s"][1:], timed["team_tokens"][1:])))
-    print(f"torch threads {threads}; {os.cpu_count()} CPUs; steps 2–{steps} of each run, {rounds} round(s)\n")
+    print(f"torch threads {threads}; {os.cpu_count()} CPUs; steps 2–{steps} of each run, {rounds} round(s)"
+          + (f"; srpo's train settings {json.dumps(train)}" if train else "") + "\n")
     print("| srpo | floor: matrix products + attention, ms per token | step, profiled: ms per token | "
           "profiled / floor | step, unprofiled: ms per token | **unprofiled / floor** (range) | median of each round | "
           "steps with equal tokens |\n|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -237,20 +247,24 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--child", choices=[*SIDES, *PROFILE_CHILDREN])
     ap.add_argument("--out", default="")
+    ap.add_argument("--train", type=json.loads, default=None, metavar="JSON",
+                    help='further train.* settings for srpo\'s runs, e.g. \'{"activation_checkpointing": false}\'')
+    ap.add_argument("--labels", nargs="+", choices=list(PROFILED), help="--profile: only these settings")
     ap.add_argument("--profile", action="store_true",
                     help="srpo's step time per completion token against its arithmetic floor, every event forwarded "
                          "and by default: each step profiled in one process and timed in another")
     args = ap.parse_args()
     if args.profile:
-        profile_both(args.steps, args.threads, args.out, args.rounds)
+        profile_both(args.steps, args.threads, args.out, args.rounds, args.train, args.labels)
         return
     if args.child in PROFILE_CHILDREN:
-        report(run_ours(args.steps, args.threads, skip_zero_advantage=PROFILE_CHILDREN[args.child], profile=True))
+        report(run_ours(args.steps, args.threads, skip_zero_advantage=PROFILE_CHILDREN[args.child], profile=True,
+                        train=args.train))
         return
     if args.child:
         import resource
 
-        res = SIDES[args.child][1](args.steps, args.threads)
+        res = SIDES[args.child][1](args.steps, args.threads, train=args.train)
         res["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
         report(res)
         return
@@ -258,7 +272,8 @@ def main() -> None:
     runs: dict[str, list[dict]] = {side: [] for side in SIDES}
     for r in range(args.rounds):
         for side in SIDES:
-            res = run_child([__file__, "--child", side, "--steps", args.steps, "--threads", args.threads],
+            settings = ["--train", json.dumps(args.train)] if args.train and side != "trl" else []
+            res = run_child([__file__, "--child", side, "--steps", args.steps, "--threads", args.threads, *settings],
                             env=env, what=side)
             runs[side].append(res)
             split = (f" (rollout {[round(x, 1) for x in res['rollout_s']]}, update {[round(x, 1) for x in res['update_s']]})"
