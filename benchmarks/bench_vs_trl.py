@@ -193,13 +193,14 @@ def profile_both(steps: int, threads: int, out: str, rounds: int = 1, train: dic
     setting's, and every round's step pairs are pooled: this machine's speed drifts by ±10 %
     between processes minutes apart, which one pair of runs cannot average out.  Reported: the
     median over all pairs and their range, each round's median, the profiled steps' own ratio
-    beside it, and the last step's profile.  ``train``: further ``train.*`` settings for srpo's
+    beside it, each timed run's peak resident memory, and the last step's profile.  ``train``: further ``train.*`` settings for srpo's
     runs (``--train``, a JSON object); ``labels``: profile only these of :data:`PROFILED`."""
     if steps < 2:
         raise SystemExit("--profile needs --steps ≥ 2: a warm-up step, then the steps it profiles and times")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     chosen = {label: PROFILED[label] for label in (labels or PROFILED)}
     pairs: dict[str, list[list[tuple]]] = {label: [] for label in chosen}
+    peaks: dict[str, list[float]] = {label: [] for label in chosen}  # the timed runs' peak RSS
     settings = ["--train", json.dumps(train)] if train else []
     tables = {}
     for _ in range(rounds):
@@ -210,11 +211,12 @@ def profile_both(steps: int, threads: int, out: str, rounds: int = 1, train: dic
                               env=env, what=f"the timed run ({label})")
             tables[label] = prof["table"]
             pairs[label].append(list(zip(prof["steps"], timed["step_s"][1:], timed["team_tokens"][1:])))
+            peaks[label].append(timed["peak_rss_gb"])
     print(f"torch threads {threads}; {os.cpu_count()} CPUs; steps 2–{steps} of each run, {rounds} round(s)"
           + (f"; srpo's train settings {json.dumps(train)}" if train else "") + "\n")
     print("| srpo | floor: matrix products + attention, ms per token | step, profiled: ms per token | "
           "profiled / floor | step, unprofiled: ms per token | **unprofiled / floor** (range) | median of each round | "
-          "steps with equal tokens |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+          "steps with equal tokens | peak RSS of the timed runs, GB |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     summary = {}
     for label, by_round in pairs.items():
         pooled = [p for r in by_round for p in r]
@@ -229,10 +231,11 @@ def profile_both(steps: int, threads: int, out: str, rounds: int = 1, train: dic
         print(f"| {label} | {parts} = {statistics.median(floor):.2f} | {statistics.median(profiled):.2f} | "
               f"{statistics.median(p / f for p, f in zip(profiled, floor)):.2f}× | {statistics.median(unprofiled):.2f} | "
               f"**{statistics.median(ratios):.2f}×** ({min(ratios):.2f}–{max(ratios):.2f}) | "
-              f"{', '.join(f'{r:.2f}×' for r in per_round)} | {equal} of {len(pooled)} |")
+              f"{', '.join(f'{r:.2f}×' for r in per_round)} | {equal} of {len(pooled)} | "
+              f"{', '.join(f'{g:.2f}' for g in peaks[label])} |")
         summary[label] = {"rounds": [{"profiled_steps": [p for p, _, _ in r], "timed_step_s": [s for _, s, _ in r],
                                       "timed_tokens": [n for _, _, n in r]} for r in by_round],
-                          "ratios": ratios, "round_medians": per_round}
+                          "ratios": ratios, "round_medians": per_round, "peak_rss_gb": peaks[label]}
     for label, table in tables.items():
         print(f"\n## srpo, {label}: the last profiled step\n\n{table}")
     if out:
