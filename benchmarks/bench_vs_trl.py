@@ -193,8 +193,9 @@ def profile_both(steps: int, threads: int, out: str, rounds: int = 1, train: dic
     setting's, and every round's step pairs are pooled: this machine's speed drifts by ±10 %
     between processes minutes apart, which one pair of runs cannot average out.  Reported: the
     median over all pairs and their range, each round's median, the profiled steps' own ratio
-    beside it, each timed run's peak resident memory, and the last step's profile.  ``train``: further ``train.*`` settings for srpo's
-    runs (``--train``, a JSON object); ``labels``: profile only these of :data:`PROFILED`."""
+    beside it, each timed run's peak resident memory, and the last step's profile.  ``train``:
+    further ``train.*`` settings for srpo's runs (``--train``, a JSON object); ``labels``: profile
+    only these of :data:`PROFILED`."""
     if steps < 2:
         raise SystemExit("--profile needs --steps ≥ 2: a warm-up step, then the steps it profiles and times")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
