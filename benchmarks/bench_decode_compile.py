@@ -77,7 +77,7 @@ def step_with(loop, mark_dynamic: bool):
     from srpo.policies.fast_decode import FastDecoder
 
     shipped = FastDecoder.step
-    tensors: dict[int, tuple[list, list]] = {}  # id of a call's packed projections → its weights and norms
+    gathered: list = [None, [], []]  # a call's packed projections (held: compared by identity), its weights, norms
 
     def step(self, state, tokens, positions, valid, adapters=None):
         if state.linears is None:
@@ -91,13 +91,12 @@ def step_with(loop, mark_dynamic: bool):
             mask = valid[:, None, None, :col + 1]
             if mark_dynamic:  # the cache's length grows by one a step: one graph for all lengths
                 torch._dynamo.mark_dynamic(mask, 3)
-            if id(state.linears) not in tensors:  # gathered once a call, not every token step
-                tensors.clear()
-                tensors[id(state.linears)] = (
-                    [packed[tuple(id(m) for m in group)][0] for group in self._projections()][:-1],
-                    [w for layer in model.layers for w in (layer.input_layernorm.weight,
-                                                           layer.post_attention_layernorm.weight)])
-            weights, norms = tensors[id(state.linears)]
+            if gathered[0] is not state.linears:  # gathered once a call, not every token step
+                gathered[:] = [state.linears,
+                               [packed[tuple(id(m) for m in group)][0] for group in self._projections()][:-1],
+                               [w for layer in model.layers for w in (layer.input_layernorm.weight,
+                                                                      layer.post_attention_layernorm.weight)]]
+            weights, norms = gathered[1], gathered[2]
             x = loop(x, cos, signed_sin, mask, state.keys, state.values, weights, norms, self.num_heads,
                      self.num_kv_heads, D, self.eps, model.layers[0].mlp.gate_proj.out_features)
             state.length = col + 1
