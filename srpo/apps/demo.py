@@ -2,8 +2,9 @@
 
 Two workers answer an arithmetic problem together (one K=2 event), an aggregator reads their
 answers and gives the team's answer (one K=1 event).  The demo evaluates the team on held-out
-problems, trains it with SRPO, evaluates again, writes the report and prints a before/after
-table with standard errors.  Everything runs on the CPU; see docs/getting-started.md for the time it takes.
+problems, trains it with SRPO — two optimizer steps a rollout, so that the set ratio leaves 1 and
+its clip acts — evaluates again, writes the report and prints a before/after table with standard
+errors and how often the set clip acted.  Everything runs on the CPU; see docs/getting-started.md for the time it takes.
 """
 
 from __future__ import annotations
@@ -30,10 +31,28 @@ DEMO_CONFIG = {
              # commuted forms — ever trained on; srpo.tasks.splits), each sampled eval.k times.
              "eval": [{"source": "synthetic_arithmetic", "level": 0, "n": 0, "split": "test", "name": "held-out"}]},
     "method": {"name": "srpo", "set_reduction": "sqrt", "clip_eps": 0.2},
-    "train": {"tasks_per_step": 4, "group_size": 4, "lr": 2e-5, "warmup_steps": 2, "old_logprobs": "recompute"},
+    # Two passes over each rollout (two optimizer steps): on the second, π_θ ≠ π_old, so the set
+    # ratios leave 1 and SRPO's set clip acts (with one step per rollout every ratio is exactly 1
+    # and no clip can bind).  The report's clip-fraction and set-ratio plots show it.
+    "train": {"tasks_per_step": 4, "group_size": 4, "lr": 2e-5, "warmup_steps": 2, "old_logprobs": "recompute",
+              "epochs": 2},
     "checkpoint": {"every": 0, "keep": 1},
     "eval": {"k": 8, "temperature": 0.7},
 }
+
+
+def set_clip_summary(run_dir: Path) -> str:
+    """One line: in how many of the steps that updated the set clip acted, and its mean fraction."""
+    from srpo.apps.stability import update_rows
+    from srpo.runs.metrics_log import read_metrics
+
+    rows = read_metrics(run_dir)
+    updated = update_rows(rows)
+    fracs = [r.get("objective/clip_frac", 0.0) for r in updated]
+    acted = sum(f > 0 for f in fracs)
+    mean = sum(fracs) / len(fracs) if fracs else 0.0
+    return (f"set clip: acted in {acted} of the {len(updated)} steps that updated ({len(rows) - len(updated)} had no "
+            f"non-zero advantage); mean clip fraction {mean:.2f}")
 
 
 def run_demo(output_dir: str | None = None, steps: int | None = None, overrides: dict | None = None) -> dict:
@@ -74,6 +93,7 @@ def run_demo(output_dir: str | None = None, steps: int | None = None, overrides:
     trainer.fit()
     after = run_eval("eval_after", "Held-out, after training")
     report = write_summary(run_dir)
+    clip_line = set_clip_summary(run_dir)
     minutes = (time.perf_counter() - started) / 60
     diff = after[acc] - before[acc]
     print()
@@ -85,6 +105,7 @@ def run_demo(output_dir: str | None = None, steps: int | None = None, overrides:
     # the result too (docs/getting-started.md, "The demo"), so no test is claimed for the change.
     print(f"| change (one run, one seed; ± above are over problems only) | {diff:+.3f} |")
     print()
+    print(clip_line)
     print(f"report: {report}   (plots in {run_dir / 'report'}; TensorBoard: tensorboard --logdir {run_dir})")
     print(f"total time: {minutes:.1f} min")
     return {"before": before, "after": after, "report": str(report), "minutes": minutes}

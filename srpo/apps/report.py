@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dataclasses import dataclass
+from typing import Callable
+
+from srpo.apps.stability import plot_stability, stability_section
 from srpo.runs.metrics_log import read_metrics
 
 
@@ -35,7 +39,77 @@ def _by_k(keys, metric: str) -> list[str]:
     return sorted(found, key=lambda k: int(k.rsplit("/k", 1)[1]))
 
 
+@dataclass(frozen=True)
+class Panel:
+    """One PNG of the run report: what it draws (``pick``: the run's metric keys → the series), what
+    to read in it (``caption``), and how. ``drop_if_flat``: leave it out when every series holds one
+    value over the run — a diagnostic that cannot move under the run's settings (the ratio clip with
+    one optimizer step per rollout) says nothing; the reward and held-out curves are drawn flat or not."""
+
+    file: str
+    title: str
+    caption: str
+    pick: Callable[[set], list[str]]
+    smooth: bool = False
+    drop_if_flat: bool = True
+    log_scale: bool = False
+
+
+PANELS: tuple[Panel, ...] = (
+    Panel("reward_accuracy.png", "Reward and accuracy (training episodes)",
+          "Whether the team learns: the training reward and accuracy per step (5-step mean over the faint raw line).",
+          lambda keys: ["reward", "accuracy"], smooth=True, drop_if_flat=False),
+    Panel("heldout.png", "Held-out accuracy during training (eval.every)",
+          "Whether what is learned transfers: accuracy on problems never trained on, at each evaluation.",
+          _heldout_keys, drop_if_flat=False),
+    Panel("clip_fraction_by_set_size.png", "Ratio-clip fraction by set size K",
+          "How often the clip of the update unit (SRPO: the set) binds, per set size. It is 0 while π_θ = π_old "
+          "(one optimizer step per rollout) and acts on the rollout's later optimizer steps. A fraction that "
+          "grows with K says the ratio's scale grows with the set (c(K) is meant to stop that).",
+          lambda keys: _by_k(keys, "clip_frac"), smooth=True),
+    Panel("gradient_share_by_set_size.png", "Share of the loss gradient (w.r.t. log-probs) by set size K",
+          "Which set sizes the update spends its gradient on; compare with the share of events of each K.",
+          lambda keys: _by_k(keys, "grad_share"), smooth=True),
+    Panel("log_ratio_spread_by_set_size.png", "Spread (std) of the clipped log-ratio by set size K",
+          "How far the update units' log-ratios spread from 0 on the rollout's later optimizer steps, per K "
+          "(0 throughout with one optimizer step per rollout).",
+          lambda keys: _by_k(keys, "unit_log_ratio_std"), smooth=True),
+    Panel("grad_norm.png", "Gradient norm before clipping, per policy",
+          "The scale of each policy's update (mean over the rollout's optimizer steps; 0 where no event had an "
+          "advantage). Above train.max_grad_norm the norm clip scales the step down (the report's stability "
+          "table: the share of steps it acted).",
+          lambda keys: sorted(k for k in keys if k.startswith("grad_norm/") and k != "grad_norm/total")),
+    Panel("active_set_size.png", "Mean active-set size",
+          "How many outputs each transition consumed; it moves in routed teams and is flat in fixed ones.",
+          lambda keys: sorted(k for k in keys if k.startswith("active_set_size/") or k == "router_set_size/mean")),
+    Panel("lengths_per_role.png", "Completion length per role (tokens)",
+          "Whether a role's replies grow or collapse as it trains.",
+          lambda keys: sorted(k for k in keys if k.startswith("role/") and k.endswith("/length"))),
+    Panel("set_ratio.png", "Set ratio π_θ/π_old over the update (min / mean / max, log scale)",
+          "How far the update moved the policy on the rollout's own sets; 1 throughout with one optimizer step "
+          "per rollout. Sets outside [1 − ε, 1 + ε] are where the clip binds (their gradient is cut).",
+          lambda keys: ["objective/set_ratio/min", "objective/set_ratio/mean", "objective/set_ratio/max"],
+          log_scale=True),
+)
+
+
+def _is_flat(rows, series: list[str]) -> bool:
+    """Whether every series holds one value over the run (to 1e-9 of its size)."""
+    for key in series:
+        _, ys = _series(rows, key)
+        if ys and max(ys) - min(ys) > 1e-9 * max(1.0, max(abs(y) for y in ys)):
+            return False
+    return True
+
+
 def make_plots(run_dir: Path) -> list[Path]:
+    """The report's PNGs (:data:`PANELS`), written into ``run_dir/report``; see :func:`plan_plots`."""
+    drawn, _ = plan_plots(run_dir)
+    return [path for path, _ in drawn]
+
+
+def plan_plots(run_dir: Path) -> tuple[list[tuple[Path, str]], list[str]]:
+    """Draw every panel with data; returns ``([(png, caption)], [titles left out as flat])``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -47,28 +121,15 @@ def make_plots(run_dir: Path) -> list[Path]:
     out_dir = Path(run_dir) / "report"
     out_dir.mkdir(exist_ok=True)
     keys = set().union(*rows)
-    panels = [
-        ("reward_accuracy.png", "Reward and accuracy (training episodes)", ["reward", "accuracy"], True),
-        ("heldout.png", "Held-out accuracy during training (eval.every)", _heldout_keys(keys), False),
-        ("clip_fraction_by_set_size.png", "Clip fraction by set size K",
-         _by_k(keys, "clip_frac"), True),
-        ("gradient_share_by_set_size.png", "Share of the loss gradient (w.r.t. log-probs) by set size K",
-         _by_k(keys, "grad_share"), True),
-        ("log_ratio_spread_by_set_size.png", "Spread (std) of the clipped log-ratio by set size K",
-         _by_k(keys, "unit_log_ratio_std"), True),
-        ("grad_norm.png", "Gradient norm (before clipping)", sorted(k for k in keys if k.startswith("grad_norm/")), False),
-        ("active_set_size.png", "Mean active-set size",
-         sorted(k for k in keys if k.startswith("active_set_size/") or k == "router_set_size/mean"), False),
-        ("lengths_per_role.png", "Completion length per role (tokens)",
-         sorted(k for k in keys if k.startswith("role/") and k.endswith("/length")), False),
-        ("set_ratio.png", "Set ratio (min / mean / max)",
-         ["objective/set_ratio/min", "objective/set_ratio/mean", "objective/set_ratio/max"], False),
-    ]
-    paths = []
-    for fname, title, series, smooth in panels:
-        series = [s for s in series if s in keys]
+    drawn, flat = [], []
+    for panel in PANELS:
+        series = [s for s in panel.pick(keys) if s in keys]
         if not series:
             continue
+        if panel.drop_if_flat and _is_flat(rows, series):
+            flat.append(panel.title)
+            continue
+        smooth = panel.smooth
         fig, ax = plt.subplots(figsize=(6.4, 3.6))
         for key in series:
             xs, ys = _series(rows, key)
@@ -78,16 +139,21 @@ def make_plots(run_dir: Path) -> list[Path]:
                             markersize=3, label=key if not smooth or len(ys) <= 5 else None)
             if smooth and len(ys) > 5:
                 ax.plot(xs, _smooth(ys), color=line.get_color(), label=f"{key} (5-step mean)")
-        ax.set_title(title)
+        ax.set_title(panel.title)
+        if panel.log_scale:
+            ax.set_yscale("log")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         fig.tight_layout()
-        path = out_dir / fname
+        path = out_dir / panel.file
         fig.savefig(path, dpi=110)
         plt.close(fig)
-        paths.append(path)
-    return paths
+        drawn.append((path, panel.caption))
+    stability = plot_stability(rows, out_dir)
+    if stability is not None:
+        drawn.append(stability)
+    return drawn, flat
 
 
 def _heldout_section(run_dir: Path, rows: list[dict]) -> list[str]:
@@ -111,7 +177,7 @@ def _heldout_section(run_dir: Path, rows: list[dict]) -> list[str]:
 def write_summary(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)
-    plots = make_plots(run_dir)
+    plots, flat = plan_plots(run_dir)
     cfg_path = sorted((run_dir / "checkpoints").glob("step_*/config.json"))
     config = json.loads(cfg_path[-1].read_text()) if cfg_path else {}
     first, last = rows[: min(5, len(rows))], rows[-min(5, len(rows)):]
@@ -130,10 +196,11 @@ def write_summary(run_dir: Path) -> Path:
     total_time = sum(r.get("time/step_s", 0) for r in rows)
     lines += [f"- steps: {rows[-1]['step']}, training time {total_time / 60:.1f} min", "",
               "| | first 5 steps | last 5 steps |", "|---|---:|---:|"]
-    for key in ("reward", "accuracy", "objective/clip_frac", "grad_norm/total", "active_set_size/mean",
+    for key in ("reward", "accuracy", "objective/clip_frac", "grad_norm/total", "grad_clip/any", "active_set_size/mean",
                 "team_tokens", "correct_per_million_tokens", "time/step_s"):
         lines.append(f"| {key} | {mean(first, key):.4g} | {mean(last, key):.4g} |")
     lines += _heldout_section(run_dir, rows)
+    lines += stability_section(rows)
     invalid = sum(r.get("events/invalid", 0) for r in rows)
     skipped = sum(r.get("nonfinite_skipped", 0) for r in rows)
     lines += ["", f"Invalid events dropped: {invalid}. Optimizer steps skipped for NaN/Inf: {skipped}.", ""]
@@ -142,7 +209,11 @@ def write_summary(run_dir: Path) -> Path:
         p = run_dir / name
         if p.is_file():
             lines += [f"## {title}", "", p.read_text(), ""]
-    lines += ["## Plots", ""] + [f"![{p.stem}](report/{p.name})" for p in plots]
+    lines += ["## Plots", ""]
+    for path, caption in plots:
+        lines += [f"![{path.stem}](report/{path.name})", "", f"*{caption}*", ""]
+    if flat:
+        lines += ["Not drawn, flat over the whole run: " + "; ".join(flat) + "."]
     out = run_dir / "report.md"
     out.write_text("\n".join(lines) + "\n")
     return out

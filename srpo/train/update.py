@@ -191,7 +191,7 @@ class PolicyUpdate:
         roles = MetricAccumulator()  # per-role lengths, entropy and KL (role/<role>/...)
         roles.add(role_lengths(events))
         counts = {"nonfinite": 0, "zero_advantage": 0}
-        grad_norms: dict[str, float] = {}
+        grad_norms = GradientNorms(t.max_grad_norm)
         for epoch in range(t.epochs):
             minibatches, _ = split_minibatches(events, t.minibatches, self.method.loss)
             for mb in minibatches:
@@ -206,9 +206,7 @@ class PolicyUpdate:
         out = {(k if k.startswith("by_k/") else f"objective/{k}"): v for k, v in acc.result().items()}
         out["loss"] = out.pop("objective/loss", 0.0)
         out.update(roles.result())
-        out.update({f"grad_norm/{pid}": v for pid, v in grad_norms.items()})
-        if grad_norms:
-            out["grad_norm/total"] = math.sqrt(sum(v * v for v in grad_norms.values()))
+        out.update(grad_norms.result())
         out["nonfinite_skipped"] = counts["nonfinite"]
         # Events per pass, summed over ranks.
         out["update/zero_advantage_skipped"] = self.backend.sum_int(counts["zero_advantage"]) / max(t.epochs, 1)
@@ -253,7 +251,7 @@ class PolicyUpdate:
                 roles.add(role_stats(batch, lp.detach(), ent, ref))
         return total_loss
 
-    def _optimizer_step(self, loss: torch.Tensor, grad_norms: dict[str, float]) -> int:
+    def _optimizer_step(self, loss: torch.Tensor, grad_norms: "GradientNorms") -> int:
         """Sum gradients across ranks, check them, clip and step each policy; 1 if skipped."""
         norms = guarded_optimizer_step(self.policies, self.optimizers, self.backend, loss, self.settings.max_grad_norm)
         if norms is None:
@@ -262,10 +260,56 @@ class PolicyUpdate:
             log.warning("non-finite loss or gradient: optimizer step skipped (%d in a row)", self.nonfinite_in_a_row)
             return 1
         self.nonfinite_in_a_row = 0
-        grad_norms.update(norms)
+        grad_norms.add(norms)
         for pid in self.optimizers:
             self.policies.bump_version(pid)
         return 0
+
+
+class GradientNorms:
+    """Each policy's gradient norm before clipping, over the optimizer steps of one update, and
+    whether ``train.max_grad_norm`` clipped it.
+
+    The step's metrics: ``grad_norm/<policy>`` (the mean over the update's optimizer steps of the
+    norm before clipping), ``grad_norm/total`` (the root of the sum of their squares),
+    ``grad_clip/<policy>`` (the share of those steps in which the norm clip acted: 0 or 1 with one
+    optimizer step per rollout; always 0 with ``max_grad_norm: 0``) and ``grad_clip/any`` (the
+    share of steps in which it acted on some policy).  A step skipped for a non-finite gradient
+    adds nothing.  Why logged: SRPO's event unit sums a set's token log-ratios, so its gradient is
+    larger than GRPO's token mean by about the tokens per set (docs/method.md, "Gradient scale");
+    a comparison in which one arm is norm-clipped and the other is not compares the clip.
+    """
+
+    def __init__(self, max_grad_norm: float):
+        self.max_grad_norm = max_grad_norm
+        self.norms: dict[str, list[float]] = {}
+        self.steps = 0
+        self.steps_clipped = 0
+
+    def add(self, norms: dict[str, float]) -> None:
+        """One optimizer step's norms before clipping, by policy."""
+        self.steps += 1
+        acted = False
+        for pid, value in norms.items():
+            self.norms.setdefault(pid, []).append(value)
+            acted |= self.clipped(value)
+        self.steps_clipped += int(acted)
+
+    def clipped(self, norm: float) -> bool:
+        """Whether ``clip_grad_norm_`` scaled a gradient of this norm down."""
+        return self.max_grad_norm > 0 and norm > self.max_grad_norm
+
+    def result(self) -> dict[str, float]:
+        if not self.steps:
+            return {}
+        out: dict[str, float] = {}
+        for pid, values in self.norms.items():
+            out[f"grad_norm/{pid}"] = sum(values) / len(values)
+            out[f"grad_clip/{pid}"] = sum(self.clipped(v) for v in values) / len(values)
+        out["grad_norm/total"] = math.sqrt(sum(out[f"grad_norm/{pid}"] ** 2 for pid in self.norms))
+        out["grad_clip/any"] = self.steps_clipped / self.steps
+        out["update/optimizer_steps"] = self.steps
+        return out
 
 
 def guarded_optimizer_step(policies, optimizers: dict, backend, loss: torch.Tensor,

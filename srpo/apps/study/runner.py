@@ -260,6 +260,9 @@ def diagnostics(run_dir: Path) -> dict[str, Any]:
         "clip_frac_by_k": {k.rsplit("/", 1)[1]: avg(rows, k) for k in sorted(keys)
                            if k.startswith(("by_k/clip_frac/k", "clip_frac/k"))},
         "grad_norm": _stats([r.get("grad_norm/total") for r in rows]),
+        # The share of optimizer steps in which train.max_grad_norm clipped some policy (runs before
+        # it was logged: None): an arm clipped in most steps and one never clipped compare the clip.
+        "grad_clip_share": avg(rows, "grad_clip/any"),
         "active_set_size_first": avg(head, "active_set_size/mean"),
         "active_set_size_last": avg(tail, "active_set_size/mean"),
         "router_set_size_first": avg(head, "router_set_size/mean"),

@@ -54,9 +54,10 @@ def summarize(records: list[dict], k: int) -> tuple[str, dict]:
             cells_text.append(f"{m:.3f} ± {se:.3f}" if se == se else f"{m:.3f}")
         table[label] = row
         lines.append(f"| {label} | {len(rs)} | " + " | ".join(cells_text) + " |")
-    lines += ["", "| cell | train reward first→last 5 steps | clip frac | clip frac by K | grad norm range (CV) | "
+    lines += update_clips_by_arm(records, labels)
+    lines += ["", "| cell | train reward first→last 5 steps | clip frac | clip frac by K | grad norm range (CV) | norm clip share | "
               "active-set size first→last | router set size first→last | invalid events | correct / M team tokens | minutes |",
-              "|---|---|---:|---|---|---|---|---:|---:|---:|"]
+              "|---|---|---:|---|---|---:|---|---|---:|---:|---:|"]
     for label in labels:
         for r in [r for r in records if r["label"] == label]:
             d = r["diagnostics"]
@@ -69,10 +70,34 @@ def summarize(records: list[dict], k: int) -> tuple[str, dict]:
             lines.append(
                 f"| {label} s{r['seed']} | {f(d.get('train_reward_first'))} → {f(d.get('train_reward_last'))} | "
                 f"{f(d.get('clip_frac'), '{:.3f}')} | {byk or '–'} | {f(g.get('min'))}–{f(g.get('max'))} ({f(g.get('cv'))}) | "
+                f"{f(d.get('grad_clip_share'))} | "
                 f"{f(d.get('active_set_size_first'))} → {f(d.get('active_set_size_last'))} | "
                 f"{f(d.get('router_set_size_first'))} → {f(d.get('router_set_size_last'))} | {d.get('invalid_events', '–')} | "
                 f"{f(d.get('correct_per_million_team_tokens'), '{:.0f}')} | {f(r.get('minutes'), '{:.1f}')} |")
     return "\n".join(lines) + "\n", table
+
+
+def update_clips_by_arm(records: list[dict], labels: list[str]) -> list[str]:
+    """Per cell label (an arm), mean ± SE over seeds of the ratio-clip fraction, the share of
+    optimizer steps the gradient-norm clip acted in, and the mean gradient norm before clipping: the
+    two clips side by side (an arm norm-clipped in most steps beside one never clipped compares the
+    norm clip, not the objectives)."""
+    lines = ["", "| arm | seeds | ratio-clip fraction | norm-clip share of optimizer steps | gradient norm before clipping |",
+             "|---|---:|---:|---:|---:|"]
+    any_row = False
+    for label in labels:
+        ds = [r["diagnostics"] for r in records if r["label"] == label and r.get("diagnostics")]
+        if not ds:
+            continue  # an untrained reference
+        any_row = True
+        cols = []
+        for values in ([d.get("clip_frac") for d in ds], [d.get("grad_clip_share") for d in ds],
+                       [(d.get("grad_norm") or {}).get("mean") for d in ds]):
+            vals = [v for v in values if isinstance(v, (int, float))]
+            m, se = mean_se(vals) if vals else (None, None)
+            cols.append("–" if m is None else (f"{m:.3g} ± {se:.2g}" if se == se else f"{m:.3g}"))
+        lines.append(f"| {label} | {len(ds)} | " + " | ".join(cols) + " |")
+    return lines if any_row else []
 
 
 def paired_differences(records: list[dict], baseline: str, metric: str,
