@@ -193,8 +193,8 @@ class DataSource(Section):
     n: NonNegativeInt = 1000
     """synthetic: how many problems (0: every problem of the split once, for arithmetic levels
     0, 1, 2, 4, 5); files: at most this many rows (0: all)."""
-    level: Annotated[int, Field(ge=0, le=5)] = 2
-    """synthetic_arithmetic difficulty (0-5, see srpo.tasks.math.LEVELS)."""
+    level: Annotated[int, Field(ge=0, le=6)] = 2
+    """synthetic_arithmetic difficulty (0-6, see srpo.tasks.math.LEVELS)."""
     seed: int = 0
     """synthetic: generator seed (use another seed for held-out sets)."""
     split: str | None = None

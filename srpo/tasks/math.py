@@ -220,6 +220,7 @@ LEVELS = {
     3: "a + b + c or a − b with two-digit numbers",
     4: "a × b with a one-digit and a two-digit number",
     5: "(a + b) × c",
+    6: "a + b or a × b with one-digit numbers (the one-step facts a 135M model half-knows)",
 }
 
 
@@ -238,6 +239,10 @@ def _problem(level: int, a: int, b: int, c: int = 0, minus: bool = False) -> tup
         return "+".join(map(str, sorted((a, b, c)))), f"What is {a} + {b} + {c}?", a + b + c
     if level == 4:
         return f"{a}*{b}", f"What is {a} * {b}?", a * b
+    if level == 6:  # c = 1: the product (its key sorted too: 3 × 4 and 4 × 3 are one fact)
+        if c:
+            return f"{min(a, b)}*{max(a, b)}", f"What is {a} * {b}?", a * b
+        return f"{min(a, b)}+{max(a, b)}", f"What is {a} + {b}?", a + b
     return f"({min(a, b)}+{max(a, b)})*{c}", f"What is ({a} + {b}) * {c}?", (a + b) * c
 
 
@@ -256,11 +261,19 @@ def _draw(rng: random.Random, level: int) -> tuple[str, str, int]:
         return _problem(3, max(a, b), min(a, b), minus=True)
     if level == 4:
         return _problem(4, rng.randint(2, 9), rng.randint(10, 99))
+    if level == 6:
+        if rng.random() < 0.5:
+            return _problem(6, rng.randint(1, 9), rng.randint(1, 9))
+        return _problem(6, rng.randint(2, 9), rng.randint(2, 9), 1)
     return _problem(5, rng.randint(2, 20), rng.randint(2, 20), rng.randint(2, 9))
 
 
 def _space(level: int):
     """Every problem of ``level`` (not level 3: too many), in a fixed order."""
+    if level == 6:  # the one-digit sums, then the one-digit products
+        yield from (_problem(6, a, b) for a, b in itertools.product(range(1, 10), range(1, 10)))
+        yield from (_problem(6, a, b, 1) for a, b in itertools.product(range(2, 10), range(2, 10)))
+        return
     ranges = {0: ((1, 9), (1, 9)), 1: ((1, 9), (10, 99)), 2: ((10, 99), (10, 99)), 4: ((2, 9), (10, 99)),
               5: ((2, 20), (2, 20), (2, 9))}
     if level not in ranges:

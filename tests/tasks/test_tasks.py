@@ -301,7 +301,7 @@ def test_arithmetic_train_and_test_parts_are_disjoint(level):
     assert both & train and both & test
 
 
-@pytest.mark.parametrize("level", [0, 1, 2, 4, 5])
+@pytest.mark.parametrize("level", [0, 1, 2, 4, 5, 6])
 def test_whole_part_enumerated_and_partition_complete(level):
     """n=0: every problem of the part once; train and test together are the whole space."""
     train, test = (synthetic_arithmetic(0, level=level, split=s) for s in ("train", "test"))
