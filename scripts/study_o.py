@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from srpo import stats  # noqa: E402
+from srpo.apps.study import tuning  # noqa: E402
 
 STUDY = Path(__file__).resolve().parents[1] / "studies" / "o_set_clip" / "study.yaml"
 VALIDATION, TEST = "parts-validation", "parts-test"
@@ -41,37 +40,10 @@ def per_seed(cells: list[dict], label: str, dataset: str, metric: str) -> dict[i
             if c["label"] == label and metric in c["eval"]["datasets"].get(dataset, {})}
 
 
-# -- tuning ---------------------------------------------------------------------------------------
+# -- tuning: srpo.apps.study.tuning, per ratio unit on the validation set --------------------------
 def choose_rates(cells: list[dict]) -> dict[str, dict]:
-    """ratio unit → {"lr": the chosen rate, "medians": {rate label: median}, "seeds": n per rate}."""
-    out = {}
-    for ratio in RATIOS:
-        medians, seeds = {}, {}
-        for label in sorted({c["label"] for c in cells if c["label"].startswith(f"{ratio}-lr")}):
-            values = list(per_seed(cells, label, VALIDATION, PER_PART).values())
-            if values:
-                medians[label.split("-", 1)[1]] = statistics.median(values)
-                seeds[label.split("-", 1)[1]] = len(values)
-        if not medians:
-            raise SystemExit(f"no finished tuning cell for the {ratio} ratio")
-        rate = lambda lab: float(lab.removeprefix("lr"))  # noqa: E731
-        best = max(medians, key=lambda lab: (medians[lab], -rate(lab)))  # ties: the smaller rate
-        rates = sorted(rate(lab) for lab in medians)
-        edge = None if len(rates) < 2 or rates[0] < rate(best) < rates[-1] else \
-            ("below" if rate(best) == rates[0] else "above")
-        out[ratio] = {"lr": rate(best), "medians": medians, "seeds": seeds, "extend": edge}
-    return out
-
-
-def write_rates(study: Path, chosen: dict[str, dict]) -> None:
-    """Replace ``train.lr: TUNED`` in the ``set`` and ``token`` entries of study.yaml."""
-    text = study.read_text()
-    for ratio, choice in chosen.items():
-        pattern = re.compile(rf"(\{{label: {ratio}, set: \{{[^}}]*train\.lr: )TUNED")
-        text, n = pattern.subn(rf"\g<1>{choice['lr']:.1e}", text)
-        if n != 1:
-            raise SystemExit(f"{study}: expected one 'train.lr: TUNED' in the {ratio} entry, found {n} (already tuned?)")
-    study.write_text(text)
+    """ratio unit → the tuning rule's choice (:func:`srpo.apps.study.tuning.choose_rates`)."""
+    return tuning.choose_rates(cells, RATIOS, VALIDATION, PER_PART)
 
 
 # -- the declared analysis ------------------------------------------------------------------------
@@ -171,17 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     cells = json.loads(args.results.read_text())["cells"]
     if args.command == "tune":
         chosen = choose_rates(cells)
-        for ratio, c in chosen.items():
-            print(f"{ratio}: lr {c['lr']:.1e}  (validation per-part median by rate: "
-                  + ", ".join(f"{lab} {m:.3f} ({c['seeds'][lab]} seeds)" for lab, m in c["medians"].items()) + ")")
-        edges = {r: c["extend"] for r, c in chosen.items() if c["extend"]}
-        for ratio, side in edges.items():
-            print(f"{ratio}: the winner is at the edge of its grid - add the rate one doubling {side} it "
-                  f"(tuning.yaml, 5 seeds) and apply the rule again")
-        if args.write and edges:
+        print("\n".join(tuning.describe(chosen)))
+        if args.write and any(c["extend"] for c in chosen.values()):
             raise SystemExit("not written: a winner is at the edge of its grid")
         if args.write:
-            write_rates(STUDY, chosen)
+            tuning.write_rates(STUDY, chosen)
             print(f"written into {STUDY}")
         return 0
     return print_analysis(cells, args.k, args.json)

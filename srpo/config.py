@@ -197,6 +197,9 @@ class DataSource(Section):
     """synthetic_arithmetic difficulty (0-6, see srpo.tasks.math.LEVELS)."""
     seed: int = 0
     """synthetic: generator seed (use another seed for held-out sets)."""
+    parts: list[Annotated[int, Field(ge=1, le=64)]] = Field(default_factory=list)
+    """synthetic_parts: the part counts K each problem's count is drawn from, uniformly (empty: 2
+    and 4); the parts workflow's ``max_parts`` must be at least the largest."""
     split: str | None = None
     """Synthetic sources: the part of the problem space drawn from — train, test (disjoint from
     train: about one problem in four, fixed by a hash of the problem) or all (both, as before parts

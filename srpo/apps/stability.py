@@ -4,7 +4,7 @@ The measures SRPO's paper reads for its event reductions, from a run's ``metrics
 policy's gradient norm before clipping (its mean and coefficient of variation over steps) and
 how often ``train.max_grad_norm`` clipped it; the ratio-clip fraction, overall and per set size
 K; the spread of the set log-ratio per K (its variance is this squared); the k3 estimate of
-KL(π_old ‖ π_θ) per action token; and gradient spikes — steps whose total gradient norm exceeds
+KL(π_old ‖ π_θ) per action token, overall and per K; and gradient spikes — steps whose total gradient norm exceeds
 :data:`SPIKE_FACTOR` times the run's median.  With one optimizer step per rollout every ratio is
 exactly 1, so the ratio measures cannot move; the section says so rather than draw flat lines.
 """
@@ -40,7 +40,7 @@ def stability_keys(keys: set) -> dict[str, list[str]]:
         "norm clip acted (share of optimizer steps)": per_policy("grad_clip/", "grad_clip/any"),
         "ratio-clip fraction": [k for k in ("objective/clip_frac",) if k in keys] + by_k("clip_frac"),
         "std of the set log-ratio": by_k("set_log_ratio_std"),
-        "KL(π_old ‖ π_θ) per token": [k for k in ("objective/approx_kl",) if k in keys],
+        "KL(π_old ‖ π_θ) per token": [k for k in ("objective/approx_kl",) if k in keys] + by_k("approx_kl"),
     }
 
 

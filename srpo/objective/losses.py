@@ -282,8 +282,13 @@ def _common_metrics(b: MemberBatch) -> Metrics:
         m.mean_of(f"{name}/mean", x)
         m.min(f"{name}/min", x)
         m.max(f"{name}/max", x)
-    # k3 estimate of KL(q_old ‖ q) on the behaviour samples, per action token.
-    m.mean_of("approx_kl", torch.exp(d) - 1 - d)
+    # k3 estimate of KL(q_old ‖ q) on the behaviour samples, per action token (overall and per K
+    # of the token's event: how far an update moves the policy on sets of each size).
+    kl = torch.exp(d) - 1 - d
+    m.mean_of("approx_kl", kl)
+    token_k = b.member_k().unsqueeze(1).expand_as(b.mask)[b.mask]
+    for k in torch.unique(token_k).tolist():
+        m.mean_of(f"by_k/approx_kl/k{k}", kl[token_k == k])
     m.sum("num_events", present.sum())
     m.sum("num_members", b.event_index.numel())
     m.sum("num_tokens", b.mask.sum())

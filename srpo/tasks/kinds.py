@@ -186,7 +186,9 @@ def _build_builtin_kinds() -> None:
     from srpo.tasks import parts as team_parts
 
     def parts_source(src):
-        return team_parts.synthetic_parts(src.n, seed=src.seed, split=src.split or "all", level=src.level), []
+        counts = tuple(src.parts) or team_parts.PART_COUNTS
+        return team_parts.synthetic_parts(src.n, seed=src.seed, split=src.split or "all", level=src.level,
+                                          counts=counts), []
 
     parts = TaskKind(
         name="parts", load_file=team_parts.load_parts_file, grade=team_parts.grade_joint,

@@ -35,7 +35,11 @@ def test_train_eval_report_roundtrip(tmp_path, capsys):
     assert main(["report", str(run)]) == 0
     report = (run / "report.md").read_text()
     assert "![reward_accuracy](report/reward_accuracy.png)" in report
-    assert (run / "report" / "clip_fraction_by_set_size.png").stat().st_size > 1000
+    assert (run / "report" / "reward_accuracy.png").stat().st_size > 1000
+    # One optimizer step a rollout: every ratio is 1, so the clip-fraction panel is flat - left out, and said.
+    assert not (run / "report" / "clip_fraction_by_set_size.png").exists()
+    flat = next(line for line in report.splitlines() if line.startswith("Not drawn, flat over the whole run:"))
+    assert "Ratio-clip fraction by set size K" in flat and "Every ratio stayed at 1" in report
 
 
 def test_eval_of_a_registered_model_on_a_file(tmp_path):

@@ -33,12 +33,12 @@ def test_tuning_takes_the_best_median_and_sends_an_edge_winner_back_to_the_grid(
 def test_tuned_rates_replace_exactly_the_two_placeholders(tmp_path):
     study = tmp_path / "study.yaml"
     study.write_text(_PATH.parents[1].joinpath("studies", "o_set_clip", "study.yaml").read_text())
-    study_o.write_rates(study, {"set": {"lr": 5e-6}, "token": {"lr": 2e-5}})
+    study_o.tuning.write_rates(study, {"set": {"lr": 5e-6}, "token": {"lr": 2e-5}})
     text = study.read_text()
     assert "TUNED" not in text.split("axes:")[1]
-    assert "sqrt, train.lr: 5.0e-06}" in text and "{method.name: grpo, train.lr: 2.0e-05}" in text
-    with pytest.raises(SystemExit, match="already tuned"):
-        study_o.write_rates(study, {"set": {"lr": 5e-6}})
+    assert "sqrt, train.lr: 5.00e-06}" in text and "{method.name: grpo, train.lr: 2.00e-05}" in text
+    with pytest.raises(ValueError, match="already tuned"):
+        study_o.tuning.write_rates(study, {"set": {"lr": 5e-6}})
 
 
 def test_the_primary_is_the_interaction_paired_by_seed_and_the_checks_read_both_clips():

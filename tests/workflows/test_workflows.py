@@ -236,3 +236,17 @@ def test_parts_team_mixes_set_sizes_and_scores_joint_and_per_part():
 
     with pytest.raises(WorkflowError, match="the parts workflow takes tasks of 1 to 4 parts"):
         asyncio.run(build_workflow("parts").run(None, TASKS[0]))  # an arithmetic task has no parts
+
+
+def test_parts_sources_draw_the_set_sizes_they_name():
+    """``parts: [2, 4, 8]`` on a synthetic_parts source (study (p)'s sizes); left empty, 2 and 4 as
+    study (n) drew them (the same problems: the default changes no draw)."""
+    from srpo.config import DataSource
+    from srpo.data import load_tasks
+    from srpo.tasks.parts import synthetic_parts
+
+    eight = load_tasks(DataSource(source="synthetic_parts", n=60, seed=1, level=6, split="train", parts=[2, 4, 8]), "parts",
+                       held_out=False)
+    assert {len(t.meta["parts"]) for t in eight} == {2, 4, 8}
+    default = load_tasks(DataSource(source="synthetic_parts", n=20, seed=1, level=0, split="train"), "parts", held_out=False)
+    assert [t.question for t in default] == [t.question for t in synthetic_parts(20, seed=1, split="train")]
