@@ -280,8 +280,9 @@ def advantages_of(cell: Cell, layout: Layout, hits: torch.Tensor, team: torch.Te
     return adv, layout.event_size
 
 
-def run_batch(decl: dict, cell: Cell, lrs_seeds: list[tuple[float, int]]) -> list[dict]:
-    """Train every (rate, seed) of one cell together; one result per run (curves included)."""
+def run_batch(decl: dict, cell: Cell, lrs_seeds: list[tuple[float, int]], diagnose: bool | None = None) -> list[dict]:
+    """Train every (rate, seed) of one cell together; one result per run (curves included).
+    ``diagnose`` (default: the study's ``diagnostics``): record each run's own measures per update."""
     base = GameSpec(**decl["game"])
     spec = replace(base, length=1) if cell.condition == "modsum" else base
     layout = layout_for(decl, cell)
@@ -299,18 +300,24 @@ def run_batch(decl: dict, cell: Cell, lrs_seeds: list[tuple[float, int]]) -> lis
     for rec, table in zip(records, tables):
         rec.add(table, layout, start, cell.reward)
     clip = []
+    diagnose = bool(decl.get("diagnostics", False)) if diagnose is None else diagnose
     for _ in range(updates):
         batches = []
         for run, table in zip(runs, tables):
             tokens, logp, hits, team = rollout(run, table, layout, spec, cell.reward)
             adv, costs = advantages_of(cell, layout, hits, team)
             batches.append((tokens, logp, adv, costs))
-        old_tables, fracs = tables, []
+        old_tables, fracs, steps = tables, [], []
         for _ in range(spec.epochs):
             parts = [_minibatches(run, b[2], b[3], P, layout, split) for run, b in zip(runs, batches)]
             for p in range(P):
-                fracs.append(_step(opt, runs, batches, [pr[p] for pr in parts], layout, loss_name, unit, settings,
-                                   start, L))
+                frac, per_run = _step(opt, runs, batches, [pr[p] for pr in parts], layout, loss_name, unit, settings,
+                                      start, L, diagnose)
+                fracs.append(frac)
+                steps.append(per_run)
+        if diagnose:  # each run's measures, averaged over this update's optimizer steps
+            for i, rec in enumerate(records):
+                rec.add_diagnostics([step[i] for step in steps])
         with torch.no_grad():
             tables = [r.net.table(r.game.prior) for r in runs]
         for rec, old, new in zip(records, old_tables, tables):
@@ -338,8 +345,9 @@ def _minibatches(run: Run, adv, costs, parts: int, layout: Layout, split: bool):
     return out
 
 
-def _step(opt, runs, batches, parts, layout, loss_name, unit, settings, start, L) -> float:
-    """One Adam step of every run on its own mini-batch; the runs' clip fraction (pooled)."""
+def _step(opt, runs, batches, parts, layout, loss_name, unit, settings, start, L, diagnose=False):
+    """One Adam step of every run on its own mini-batch; the runs' clip fraction (pooled), and with
+    ``diagnose`` each run's own measures of this step (:func:`_run_diagnostics`), else None."""
     logprobs, old, index, advs, sizes, offset = [], [], [], [], [], 0
     for run, (tokens, logp, _, _), (rows, idx, adv) in zip(runs, batches, parts):
         table = run.net.table(run.game.prior)
@@ -356,8 +364,29 @@ def _step(opt, runs, batches, parts, layout, loss_name, unit, settings, start, L
         advantages=torch.cat(advs), normalizer=1, member_set_sizes=torch.cat(sizes)), settings)
     opt.zero_grad(set_to_none=True)
     loss.backward()
+    per_run = _run_diagnostics(runs, parts, logprobs, old, index, advs, sizes, loss_name, settings) if diagnose else None
     opt.step()
-    return float(metrics["clip_frac"])
+    return float(metrics["clip_frac"]), per_run
+
+
+def _run_diagnostics(runs, parts, logprobs, old, index, advs, sizes, loss_name, settings) -> list[dict]:
+    """Per run, this optimizer step's gradient norm (its own network's, before the step: the loss is
+    the sum of the runs' losses, so each network's gradient is its run's), its clip fraction, the
+    variance of the log-ratio of its update units (the set log-ratio for srpo) and the k3 KL to
+    π_old per token — the loss's own metrics on the run's slice alone (no gradient)."""
+    out = []
+    with torch.no_grad():
+        for run, (rows, _, adv), lp, ol, idx, ad, k in zip(runs, parts, logprobs, old, index, advs, sizes):
+            norm = torch.sqrt(sum((p.grad.detach() ** 2).sum() for p in run.net.parameters() if p.grad is not None))
+            first = int(idx.min()) if len(idx) else 0
+            _, m = policy_loss(loss_name, LossInputs(
+                logprobs=lp.detach(), old_logprobs=ol, mask=torch.ones_like(lp), event_index=idx - first,
+                advantages=ad, normalizer=1, member_set_sizes=k), settings)
+            spreads = [float(v) for key, v in m.items() if key.startswith("by_k/unit_log_ratio_std/")]
+            out.append({"grad_norm": float(norm), "clip_frac": float(m["clip_frac"]),
+                        "log_ratio_var": sum(x * x for x in spreads) / len(spreads) if spreads else 0.0,
+                        "kl_old": float(m["approx_kl"])})
+    return out
 
 
 class _Record:
@@ -367,6 +396,12 @@ class _Record:
     def __init__(self, run: Run, layout: Layout):
         self.run, self.gain, self.reward, self.hit, self.kl = run, [], [], [], []
         self.by_k: dict[int, list[float]] = {k: [] for k in sorted(set(layout.ks.tolist()))}
+        self.diagnostics: dict[str, list[float]] = {}  # measure → one value per update (diagnostics: true)
+
+    def add_diagnostics(self, steps: list[dict]) -> None:
+        """One update's measures: the mean over its optimizer steps."""
+        for key in steps[0]:
+            self.diagnostics.setdefault(key, []).append(sum(s[key] for s in steps) / len(steps))
 
     def add(self, table, layout: Layout, start: int, reward: str) -> None:
         log_s, member = log_success(table, self.run.game, layout, start)
@@ -388,7 +423,8 @@ class _Record:
                 "start_success": float(self.run.log_s0.exp().mean()), "gain": curve, "reward_curve": self.reward,
                 "member_hit": self.hit, "joint_kl_mean": sum(self.kl) / len(self.kl),
                 "final_by_k": {str(k): sum(v[-last:]) / last for k, v in self.by_k.items()},
-                "clip_frac_mean": sum(clip) / len(clip)}
+                "clip_frac_mean": sum(clip) / len(clip),
+                **({"diagnostics": self.diagnostics, "joint_kl": self.kl} if self.diagnostics else {})}
 
 
 # -- the study: declaration, cells, tuning, fresh seeds ---------------------------------------------------
@@ -450,38 +486,72 @@ def cell_of(r: dict) -> Cell:
 
 
 def tuned_lr(decl: dict, runs: list[dict], cell: Cell) -> float:
-    """The rate with the best mean primary metric over the tuning seeds."""
+    """The rate with the best mean (or median: ``tuning_statistic``) primary metric over the tuning seeds."""
     scores = {}
     for lr in decl["lr_grid"]:
         vals = [r["primary"] for r in runs if r["phase"] == "tune" and cell_of(r) == cell and float(r["lr"]) == float(lr)]
         if len(vals) != len(decl["tuning_seeds"]):
             raise RuntimeError(f"{cell.label()}: tuning incomplete at lr={lr}")
-        mean = sum(vals) / len(vals)
+        # The mean over tuning seeds (study (m)), or the median where the study says so (one run that
+        # collapses then does not decide the rate).
+        mean = statistics.median(vals) if decl.get("tuning_statistic") == "median" else sum(vals) / len(vals)
         scores[float(lr)] = mean if math.isfinite(mean) else -math.inf  # a diverged rate is never chosen
     return max(scores, key=lambda lr: (scores[lr], -lr))  # ties: the smaller rate
 
 
+def source_commit() -> str:
+    """The commit the running code is at (``unknown`` outside a git checkout), recorded in every run;
+    a tree with uncommitted changes is marked ``+dirty``."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def tuning_cell(decl: dict, cell: Cell) -> Cell:
+    """The cell whose tuning sets ``cell``'s rate: itself, or with ``tune_at_k`` the same cell at that
+    K (one rate per method at every K: how a reduction behaves as K grows at one rate)."""
+    return replace(cell, k=int(decl["tune_at_k"])) if "tune_at_k" in decl else cell
+
+
 def run_study(decl: dict, out: Path, shard: tuple[int, int]) -> None:
+    """Every tuning batch of this shard's cells, then every main batch (a main batch at a rate tuned
+    in another cell — ``tune_at_k`` — needs that cell's tuning on disk, from any shard)."""
     out.mkdir(parents=True, exist_ok=True)
+    commit = source_commit()
     log = out / f"runs.{shard[0]}of{shard[1]}.jsonl"
     runs = read_all(out)
     done = {key_of(r) for r in runs}
     mine = shard_cells(decl, shard)
     t0 = time.time()
     with log.open("a") as f:
-        for i, cell in enumerate(mine):
-            for phase in ("tune", "main"):
+        for phase in ("tune", "main"):
+            if phase == "main":  # other shards' tuning, finished meanwhile
+                runs = list({key_of(r): r for r in [*read_all(out), *runs]}.values())
+            for i, cell in enumerate(mine):
                 if phase == "tune":
+                    if tuning_cell(decl, cell) != cell:
+                        continue
                     todo = [(float(lr), s) for lr in decl["lr_grid"] for s in decl["tuning_seeds"]]
                 else:
-                    lr = tuned_lr(decl, runs, cell)
+                    try:
+                        lr = tuned_lr(decl, runs, tuning_cell(decl, cell))
+                    except RuntimeError as err:
+                        raise SystemExit(f"{cell.label()}: {err} - run the shard that tunes it first") from None
                     todo = [(lr, s) for s in decl["seeds"]]
                 keys = [(phase, cell.condition, cell.k, cell.reward, cell.policy, cell.method, lr, s) for lr, s in todo]
                 if all(k in done for k in keys):
                     continue
-                results = run_batch(decl, cell, todo)
+                # The per-run measures are read from the main runs only (tuning picks a rate).
+                results = run_batch(decl, cell, todo, diagnose=phase == "main" and bool(decl.get("diagnostics")))
                 for r in results:
-                    r = {"phase": phase, **r}
+                    r = {"phase": phase, **r, "commit": commit}
                     if phase == "tune":  # pooled over rates: no one run's figure
                         r.pop("clip_frac_mean")
                     runs.append(r)

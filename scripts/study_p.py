@@ -84,16 +84,17 @@ def collect(root: Path) -> dict[tuple[str, int], dict[int, dict]]:
     return out
 
 
-def slopes(table, arm: str, measure: str) -> dict[int, float]:
-    """seed → the least-squares slope of ``measure`` against log2 K over K = 2, 4, 8 (seeds with all three)."""
-    xs = [math.log2(k) for k in KS]
+def slopes(table, arm: str, measure: str, ks: tuple[int, ...] = KS) -> dict[int, float]:
+    """seed → the least-squares slope of ``measure`` against log2 K over ``ks`` (seeds with every K)."""
+    xs = [math.log2(k) for k in ks]
+    mx = sum(xs) / len(xs)
     out = {}
-    seeds = set.intersection(*[set(table.get((arm, k), {})) for k in KS]) if all((arm, k) in table for k in KS) else set()
+    seeds = set.intersection(*[set(table.get((arm, k), {})) for k in ks])
     for seed in sorted(seeds):
-        ys = [table[(arm, k)][seed][measure] for k in KS]
+        ys = [table[(arm, k)][seed][measure] for k in ks]
         if any(y is None for y in ys):
             continue
-        mx, my = sum(xs) / 3, sum(ys) / 3
+        my = sum(ys) / len(ys)
         out[seed] = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     return out
 
@@ -106,25 +107,29 @@ def _test(name: str, by_seed: dict, family: str) -> dict:
     return {"comparison": name, "family": family, **stats.paired(values)}
 
 
-def declared_tests(table) -> list[dict]:
-    """The 28 declared tests, Holm-adjusted together."""
+def declared_tests(table, arms: tuple[str, ...] = ARMS, ks: tuple[int, ...] = KS, measures: dict = MEASURES,
+                   cost: str = "heldout", cost_words: str = "held-out per part") -> list[dict]:
+    """The declared family, Holm-adjusted together: each arm's slope of each measure over log2 K
+    against 0; sqrt's slope minus sum's and mean's; ``cost`` (the learning measure), sqrt minus
+    each other arm pooled over K (paired by seed and K), and sqrt minus sum at the largest K."""
     out = []
-    for arm in ARMS:
-        for m, words in MEASURES.items():
-            out.append(_test(f"{arm}: slope of {words} over log2 K", slopes(table, arm, m), "flatness"))
-    for m, words in MEASURES.items():
-        sqrt = slopes(table, "sqrt", m)
+    for arm in arms:
+        for m, words in measures.items():
+            out.append(_test(f"{arm}: slope of {words} over log2 K", slopes(table, arm, m, ks), "flatness"))
+    for m, words in measures.items():
+        sqrt = slopes(table, "sqrt", m, ks)
         for other in ("sum", "mean"):
-            theirs = slopes(table, other, m)
+            theirs = slopes(table, other, m, ks)
             out.append(_test(f"slope of {words}: sqrt − {other}",
                              {s: sqrt[s] - theirs[s] for s in sqrt.keys() & theirs.keys()}, "contrast"))
-    for other in ("sum", "mean", "grpo"):
-        diffs = {(s, k): table[("sqrt", k)][s]["heldout"] - table[(other, k)][s]["heldout"]
-                 for k in KS for s in table.get(("sqrt", k), {}).keys() & table.get((other, k), {}).keys()}
-        out.append(_test(f"held-out per part, sqrt − {other} (K = 2, 4, 8 pooled)", diffs, "cost"))
-    at8 = {s: table[("sqrt", 8)][s]["heldout"] - table[("sum", 8)][s]["heldout"]
-           for s in table.get(("sqrt", 8), {}).keys() & table.get(("sum", 8), {}).keys()}
-    out.append(_test("held-out per part, sqrt − sum at K = 8", at8, "cost"))
+    for other in (a for a in arms if a != "sqrt"):
+        diffs = {(s, k): table[("sqrt", k)][s][cost] - table[(other, k)][s][cost]
+                 for k in ks for s in table.get(("sqrt", k), {}).keys() & table.get((other, k), {}).keys()}
+        out.append(_test(f"{cost_words}, sqrt − {other} (K = {', '.join(map(str, ks))} pooled)", diffs, "cost"))
+    top = max(ks)
+    at_top = {s: table[("sqrt", top)][s][cost] - table[("sum", top)][s][cost]
+              for s in table.get(("sqrt", top), {}).keys() & table.get(("sum", top), {}).keys()}
+    out.append(_test(f"{cost_words}, sqrt − sum at K = {top}", at_top, "cost"))
     stats.adjust(out)
     return out
 
@@ -133,16 +138,19 @@ def _fmt(x, sign=True):
     return "–" if x is None else (f"{x:+.3g}" if sign else f"{x:.3g}")
 
 
-def markdown(table, tests: list[dict]) -> str:
-    lines = ["| arm | K | runs | " + " | ".join(MEASURES.values()) + " | median grad norm | spikes | held-out per part |",
-             "|---|---:|---:|" + "---:|" * (len(MEASURES) + 3)]
-    for arm in ARMS:
-        for k in KS:
+def markdown(table, tests: list[dict], arms: tuple[str, ...] = ARMS, ks: tuple[int, ...] = KS,
+             columns: dict | None = None) -> str:
+    """The measures' table (mean ± SE over seeds, per arm and K) and the tests' table."""
+    columns = columns or {**MEASURES, "grad_norm_median": "median grad norm", "spikes": "spikes",
+                          "heldout": "held-out per part"}
+    lines = ["| arm | K | runs | " + " | ".join(columns.values()) + " |", "|---|---:|---:|" + "---:|" * len(columns)]
+    for arm in arms:
+        for k in ks:
             runs = list(table.get((arm, k), {}).values())
             if not runs:
                 continue
             cols = []
-            for m in (*MEASURES, "grad_norm_median", "spikes", "heldout"):
+            for m in columns:
                 vals = [r[m] for r in runs if r[m] is not None]
                 mean, se = stats.mean_se(vals)
                 cols.append("–" if not vals else (f"{mean:.3g} ± {se:.2g}" if se == se else f"{mean:.3g}"))
@@ -157,29 +165,30 @@ def markdown(table, tests: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def figure(table, path: Path) -> None:
+def figure(table, path: Path, arms: tuple[str, ...] = ARMS, ks: tuple[int, ...] = KS,
+           panels: dict | None = None) -> None:
     """Measures × K, a line per arm (mean ± SE over seeds)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = (*MEASURES, "heldout")
+    panels = panels or {**MEASURES, "heldout": "held-out per-part accuracy"}
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6))
-    for ax, m in zip(axes, panels):
-        for arm in ARMS:
-            ks, means, ses = [], [], []
-            for k in KS:
+    for ax, (m, title) in zip(axes, panels.items()):
+        for arm in arms:
+            xs, means, ses = [], [], []
+            for k in ks:
                 vals = [r[m] for r in table.get((arm, k), {}).values() if r[m] is not None]
                 if vals:
                     mean, se = stats.mean_se(vals)
-                    ks.append(k), means.append(mean), ses.append(se if se == se else 0.0)
-            if ks:
-                ax.errorbar(ks, means, yerr=ses, marker="o", capsize=3, label=arm)
+                    xs.append(k), means.append(mean), ses.append(se if se == se else 0.0)
+            if xs:
+                ax.errorbar(xs, means, yerr=ses, marker="o", capsize=3, label=arm)
         ax.set_xscale("log", base=2)
-        ax.set_xticks(KS, [str(k) for k in KS])
+        ax.set_xticks(ks, [str(k) for k in ks])
         ax.set_xlabel("set size K")
-        ax.set_title(MEASURES.get(m, "held-out per-part accuracy"), fontsize=9)
+        ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()

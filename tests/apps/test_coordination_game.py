@@ -219,3 +219,40 @@ def test_the_committed_game_declarations_load():
     assert len(g2.cells(decl)) == 204  # the count the declaration's budget states
     assert all(g2.layout_for(decl, c).kmax == c.k for c in g2.cells(decl))
     assert {len(g2.shard_cells(decl, (i, 2))) for i in (1, 2)} == {102}
+
+
+def test_diagnostics_record_each_runs_own_measures_and_change_no_curve():
+    """``diagnostics: true``: each run's gradient norm, clip fraction, log-ratio variance and KL per
+    update (its own, though the batch is one loss), with the very curves of a batch without them."""
+    cell = g2.Cell("targets", 2, "joint", "shared", "srpo_sqrt")
+    plain = g2.run_batch(_DECL_II, cell, [(0.1, 0), (0.3, 1)])
+    diag = g2.run_batch({**_DECL_II, "diagnostics": True}, cell, [(0.1, 0), (0.3, 1)])
+    for a, b in zip(plain, diag):
+        assert a["reward_curve"] == b["reward_curve"] and "diagnostics" not in a
+        d = b["diagnostics"]
+        assert set(d) == {"grad_norm", "clip_frac", "log_ratio_var", "kl_old"}
+        assert all(len(v) == _DECL_II["updates"] for v in d.values()) and max(d["grad_norm"]) > 0
+        assert all(0 <= f <= 1 for f in d["clip_frac"]) and max(d["log_ratio_var"]) > 0
+    # A run alone in its batch has the same measures as inside the batch (they are its own).
+    alone = g2.run_batch({**_DECL_II, "diagnostics": True}, cell, [(0.3, 1)])[0]["diagnostics"]
+    assert alone["grad_norm"] == pytest.approx(diag[1]["diagnostics"]["grad_norm"], rel=1e-4)
+    assert alone["clip_frac"] == pytest.approx(diag[1]["diagnostics"]["clip_frac"], abs=1e-6)
+
+
+def test_one_rate_per_method_tuned_at_one_k_and_every_run_records_its_commit(tmp_path):
+    decl = {**_DECL_II, "updates": 2, "output_dir": str(tmp_path / "out"), "lr_grid": [0.05, 0.1],
+            "tuning_seeds": [100, 101], "seeds": [0, 1], "comparisons": [], "tune_at_k": 2, "tuning_statistic": "median",
+            "conditions": {"targets": {"k": [1, 2], "rewards": ["joint"], "policies": ["shared"], "methods": ["srpo_sum"]}}}
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(decl))
+    assert g2.main(["run", "--study", str(path)]) == 0
+    runs = g2.read_all(tmp_path / "out")
+    assert {r["k"] for r in runs if r["phase"] == "tune"} == {2}  # tuned at K = 2 only
+    main_rates = {r["k"]: r["lr"] for r in runs if r["phase"] == "main"}
+    assert main_rates[1] == main_rates[2]  # K = 1 runs at the rate K = 2 chose
+    assert all(r["commit"] and r["commit"] != "" for r in runs)
+
+
+def test_the_stability_declaration_loads():
+    decl = g2.load_declaration(_PATH.parents[1] / "studies" / "p_stability" / "game.yaml")
+    assert len(g2.cells(decl)) == 16 and decl["tune_at_k"] == 4 and decl["diagnostics"]
