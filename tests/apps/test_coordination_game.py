@@ -256,3 +256,24 @@ def test_one_rate_per_method_tuned_at_one_k_and_every_run_records_its_commit(tmp
 def test_the_stability_declaration_loads():
     decl = g2.load_declaration(_PATH.parents[1] / "studies" / "p_stability" / "game.yaml")
     assert len(g2.cells(decl)) == 16 and decl["tune_at_k"] == 4 and decl["diagnostics"]
+
+
+def test_the_clip_ablation_runs_the_same_cells_with_and_without_the_clip_and_pairs_them():
+    root = _PATH.parents[1] / "studies" / "m_clip_ablation"
+    on, off = (g2.load_declaration(root / f"{n}.yaml") for n in ("clip_on", "clip_off"))
+    assert g2.cells(on) == g2.cells(off) and len(g2.cells(on)) == 4
+    assert on["game"]["clip_eps"] == 0.2 and off["game"]["clip_eps"] >= 1e9
+    assert {k: v for k, v in on["game"].items() if k != "clip_eps"} == {k: v for k, v in off["game"].items() if k != "clip_eps"}
+    spec = importlib.util.spec_from_file_location("game_clip_ablation", _PATH.with_name("game_clip_ablation.py"))
+    ablation = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ablation)
+    values = {}
+    for s in range(6):  # sqrt leads by 0.1 with the clip, by 0.02 without: an interaction of 0.08
+        for setting, lead in (("clip_on", 0.1), ("clip_off", 0.02)):
+            for k in (8, 16):
+                values.setdefault((setting, k, "grpo"), {})[s] = 0.3 + 0.01 * s
+                values.setdefault((setting, k, "srpo_sqrt"), {})[s] = 0.3 + 0.01 * s + lead + 0.001 * (s % 3)
+    comps = ablation.tests(values)
+    assert len(comps) == 6
+    inter = next(c for c in comps if c["comparison"] == "K = 16: interaction (clip on − clip off)")
+    assert inter["mean"] == pytest.approx(0.08) and inter["n"] == 6
