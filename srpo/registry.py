@@ -37,6 +37,7 @@ Each module exports its kind's ``register_<kind> = REGISTRY.register``.
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Iterator, TypeVar
@@ -48,15 +49,37 @@ class RegistryError(ValueError):
     """An unknown name, a bad import path, or an object a registry cannot hold."""
 
 
+_IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
+#: The one form of an import path srpo imports: dotted identifiers, a colon, dotted identifiers
+#: (ASCII only: no dash, space, digit first, prefix or file path).
+IMPORT_PATH = re.compile(rf"^{_IDENTIFIER}(?:\.{_IDENTIFIER})*:{_IDENTIFIER}(?:\.{_IDENTIFIER})*$")
+IMPORT_PATH_RULE = "an import path is package.module:attribute, identifiers only (letters, digits, _; no digit first)"
+
+
+def classify_name(value: str) -> str:
+    """From the string alone, before anything is looked up or imported: ``"name"`` (no colon: a
+    registered name, looked up and never imported) or ``"import path"`` (the strict form of
+    :data:`IMPORT_PATH`); anything else with a colon raises :class:`RegistryError` naming the rule."""
+    if not isinstance(value, str) or not value:
+        raise RegistryError(f"{value!r}: expected a registered name or an import path")
+    if ":" not in value:
+        return "name"
+    if IMPORT_PATH.match(value):
+        return "import path"
+    raise RegistryError(f"{value!r} is neither a registered name nor an import path: {IMPORT_PATH_RULE}")
+
+
 def is_import_path(name: str) -> bool:
-    return isinstance(name, str) and ":" in name and not name.startswith(("hub:", "http:", "https:"))
+    """Whether ``name`` is an import path of the one form srpo imports (:data:`IMPORT_PATH`)."""
+    return isinstance(name, str) and bool(IMPORT_PATH.match(name))
 
 
 def import_object(path: str) -> Any:
-    """``package.module:attr.sub`` → the object (errors name the part that failed)."""
+    """``package.module:attr.sub`` → the object (errors name the part that failed).  Only the strict
+    form is imported: anything else is refused before any import."""
+    if not is_import_path(path):
+        raise RegistryError(f"{path!r}: {IMPORT_PATH_RULE}")
     module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise RegistryError(f"{path!r}: an import path is package.module:attribute")
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as err:
@@ -155,9 +178,9 @@ class Registry(Mapping[str, T], Generic[T]):
     # -- lookup
     def resolve(self, name: str) -> str:
         """The registered name of ``name`` (an import path is imported and registered under itself)."""
-        if name in self._objects:
+        if isinstance(name, str) and name in self._objects:
             return name
-        if not is_import_path(name):
+        if classify_name(name) == "name":  # never imported: a name is registered or unknown
             raise RegistryError(f"unknown {self.what} {name!r}; valid: {', '.join(self.names())} "
                                 f"(or an import path, package.module:attribute)")
         obj = import_object(name)

@@ -18,25 +18,33 @@ from __future__ import annotations
 import re
 from typing import Any, Iterator
 
+from srpo.registry import is_import_path
+
 TRUST_FLAG = "--trust-run-code"
 # Keys whose value is run, whatever it looks like: a program, an interpreter.
 PROGRAM_KEYS = frozenset({"workflow.options.entry", "workflow.options.python", "sft.script"})
-# ``package.module:attribute`` or ``path/to/file.py:function``: what the registries and the
-# workflow loaders import.  A URL's ``host:port`` or a ``synthetic_kb:n=40`` source does not match.
-_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+# ``package.module:attribute`` (the one form the registries import, srpo.registry.IMPORT_PATH) or
+# ``path/to/file.py:function`` (what the workflow loaders run).
 _FILE_ENTRY = re.compile(r"^.+\.py:[A-Za-z_]\w*$")
 
 
-# Values with a colon that are data, not code: hub datasets, synthetic sources, URLs.
+# Values with a colon that are data, not code — hub datasets, synthetic sources, URLs — in the keys
+# that hold data (a data source's ``source``/``corpus``, a URL); anywhere else such a value is
+# what a registry would import, and is flagged like any import path.
 _DATA_PREFIXES = ("hub:", "synthetic_", "http:", "https:", "file:")
+_DATA_KEYS = ("source", "corpus", "url", "base_url", "retriever_url")
 # Keys whose values are names, never imported (role names may contain a colon).
 _NAME_KEYS = ("workflow.options.roles",)
 
 
-def names_code(value: Any) -> bool:
-    """Whether ``value`` (one config value) is an import path or a program file a loader would run."""
-    return isinstance(value, str) and not value.startswith(_DATA_PREFIXES) \
-        and bool(_IMPORT_PATH.match(value) or _FILE_ENTRY.match(value))
+def names_code(value: Any, key: str = "") -> bool:
+    """Whether ``value`` (one config value, at ``key``) is an import path or a program file a loader
+    would run."""
+    if not isinstance(value, str):
+        return False
+    if value.startswith(_DATA_PREFIXES) and key.rsplit(".", 1)[-1].split("[")[0] in _DATA_KEYS:
+        return False
+    return is_import_path(value) or bool(_FILE_ENTRY.match(value))
 
 
 def _leaves(data: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -59,7 +67,7 @@ def code_named(data: dict) -> dict[str, Any]:
             found[key] = value
         elif key.endswith("trust_remote_code") and value is True:
             found[key] = value
-        elif names_code(value) and not key.startswith(_NAME_KEYS):
+        elif names_code(value, key) and not key.startswith(_NAME_KEYS):
             found[key] = value
     return found
 

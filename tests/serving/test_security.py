@@ -444,3 +444,58 @@ def test_resume_and_warm_starts_from_a_planted_folder_run_nothing(planted, capsy
     assert main(["eval", "--model", str(warm), *DATA]) == 2
     assert "--trust-run-code" in capsys.readouterr().err
     assert not marker.exists() and "evil" not in sys.modules
+
+
+# Spellings of "a module of the folder" that are not a registered name: none may be imported.
+HOSTILE_SPELLINGS = {"evil-x:Team": "evil-x", "evil :Team": "evil ", "1evil:Team": "1evil", "evil!:Team": "evil!",
+                     "evil:Team extra": "evil", " evil:Team": " evil", "evil:Te-am": "evil"}
+# Strict import paths that look like data (a synthetic source, a hub id, a file URL): imported only
+# when trusted, so the trust check must flag them wherever a registry reads them.
+# (``evil.py:Team`` is the strict path of package ``evil``'s module ``py``: flagged, as any is.)
+DATA_LOOKALIKES = ("synthetic_evil:Team", "hub:Team", "file:Team", "evil.sub:Team", "evil.py:Team")
+
+
+def test_names_are_classified_from_the_string_before_anything_is_imported(tmp_path, monkeypatch):
+    """Every registry refuses each hostile spelling with the rule, and no module of the folder is
+    imported (each would write the marker); the same spellings are config errors, not imports."""
+    from srpo.registry import IMPORT_PATH_RULE, RegistryError, classify_name
+    from srpo.methods import METHODS
+    from srpo.objective import LOSSES
+    from srpo.rollout.engine import ENGINES
+    from srpo.runs.trackers import TRACKERS
+    from srpo.tasks.kinds import TASK_KINDS
+    from srpo.workflows import WORKFLOWS
+    from srpo.gateway.parsers import TOOL_PARSERS
+
+    marker = tmp_path / "MARKER"
+    for module in set(HOSTILE_SPELLINGS.values()):
+        (tmp_path / f"{module}.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text({module!r})\n"
+                                              "class Team:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    for spelling in HOSTILE_SPELLINGS:
+        with pytest.raises(RegistryError, match="neither a registered name nor an import path"):
+            classify_name(spelling)
+        for registry in (LOSSES, METHODS, WORKFLOWS, TASK_KINDS, ENGINES, TRACKERS, TOOL_PARSERS):
+            with pytest.raises(RegistryError) as err:
+                registry.resolve(spelling)
+            assert IMPORT_PATH_RULE in str(err.value), (registry.what, spelling)
+    assert not marker.exists()
+    assert classify_name("srpo") == "name" and classify_name("pkg.mod:attr.sub") == "import path"
+
+
+@pytest.mark.parametrize("key", ["workflow.name", "task.reward", "rollout.engine", "method.loss", "method.name",
+                                 "log.backends[0]", "workflow.roles.solver.tool_parser", "task.kind"])
+def test_the_trust_check_flags_data_lookalike_import_paths_in_every_code_field(key):
+    from srpo.runs.trust import code_named
+
+    for value in DATA_LOOKALIKES:
+        node: dict = {}
+        config = node
+        parts = key.replace("[0]", "").split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = [value] if key.endswith("[0]") else value
+        assert key in code_named(config), (key, value)
+    # A data source keeps its data spellings: a hub id or a synthetic source is not code.
+    assert code_named({"task": {"train": {"source": "synthetic_parts"}, "eval": [{"source": "hub:gsm8k"}]}}) == {}
