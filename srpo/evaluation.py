@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from srpo.runs.fileio import refuse_link_destination, write_text_atomic
 from srpo.tasks.base import Task
 from srpo.tasks.metrics import avg_at_k, macro_average, pass_at_k
 from srpo.tasks.kinds import task_kind
@@ -48,7 +50,11 @@ def evaluate(policies, workflow, role_specs, datasets: dict[str, list[Task]], *,
         from tqdm.auto import tqdm
 
         bar = tqdm(total=sum(len(t) for t in datasets.values()) * k, desc="eval", unit="episode", dynamic_ncols=True)
-    sink = open(episodes_path, "w", encoding="utf-8") if episodes_path is not None else None  # noqa: SIM115
+    sink = None
+    if episodes_path is not None:  # never through a planted link (O_NOFOLLOW: the open fails on one)
+        refuse_link_destination(episodes_path)
+        sink = open(episodes_path, "w", encoding="utf-8",  # noqa: SIM115
+                    opener=lambda path, flags: os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o666))
     try:
         for name, tasks in datasets.items():
             results["datasets"][name] = _evaluate_dataset(runtime, (workflows or {}).get(name, workflow), name, tasks,
@@ -135,6 +141,6 @@ def markdown_table(results: dict[str, Any], title: str = "") -> str:
 def write_results(results: dict[str, Any], folder: Path, stem: str, title: str = "") -> tuple[Path, Path]:
     folder.mkdir(parents=True, exist_ok=True)
     js, md = folder / f"{stem}.json", folder / f"{stem}.md"
-    js.write_text(json.dumps(results, indent=1))
-    md.write_text(markdown_table(results, title))
+    write_text_atomic(js, json.dumps(results, indent=1))
+    write_text_atomic(md, markdown_table(results, title))
     return js, md

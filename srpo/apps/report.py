@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from srpo.apps.stability import plot_stability, stability_section
+from srpo.runs.fileio import refuse_link_destination, save_figure, write_text_atomic
 from srpo.runs.metrics_log import read_metrics
 
 
@@ -119,6 +120,7 @@ def plan_plots(run_dir: Path) -> tuple[list[tuple[Path, str]], list[str]]:
     if not rows:
         raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (is this a run folder?)")
     out_dir = Path(run_dir) / "report"
+    refuse_link_destination(out_dir)  # a planted report/ link would take every plot elsewhere
     out_dir.mkdir(exist_ok=True)
     keys = set().union(*rows)
     drawn, flat = [], []
@@ -147,7 +149,7 @@ def plan_plots(run_dir: Path) -> tuple[list[tuple[Path, str]], list[str]]:
         ax.legend(fontsize=7)
         fig.tight_layout()
         path = out_dir / panel.file
-        fig.savefig(path, dpi=110)
+        save_figure(fig, path)
         plt.close(fig)
         drawn.append((path, panel.caption))
     stability = plot_stability(rows, out_dir)
@@ -215,7 +217,7 @@ def write_summary(run_dir: Path) -> Path:
     if flat:
         lines += ["Not drawn, flat over the whole run: " + "; ".join(flat) + "."]
     out = run_dir / "report.md"
-    out.write_text("\n".join(lines) + "\n")
+    write_text_atomic(out, "\n".join(lines) + "\n")
     return out
 
 
@@ -263,7 +265,7 @@ def plot_study(root: Path, records: list[dict], k: int) -> Path | None:
     right.legend(fontsize=8)
     fig.tight_layout()
     out = Path(root) / "results.png"
-    fig.savefig(out, dpi=110)
+    save_figure(fig, out)
     plt.close(fig)
     return out
 
@@ -314,6 +316,6 @@ def plot_mechanism(root: Path, mech: dict) -> Path | None:
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     out = Path(root) / "mechanism.png"
-    fig.savefig(out, dpi=110)
+    save_figure(fig, out)
     plt.close(fig)
     return out

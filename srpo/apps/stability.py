@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from srpo.runs.fileio import save_figure
+
 #: A step is a gradient spike when its total gradient norm is above this multiple of the run's median.
 SPIKE_FACTOR = 3.0
 
@@ -140,7 +142,7 @@ def plot_stability(rows: list[dict], out_dir: Path) -> tuple[Path, str] | None:
             ax.legend(fontsize=7)
     fig.tight_layout()
     path = Path(out_dir) / "stability.png"
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
     caption = ("Stability by set size: a stable update keeps the gradient norm, the clip fraction per K, the set "
                "log-ratio's spread per K and the KL to π_old flat over training and close across K; a clip "

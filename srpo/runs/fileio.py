@@ -38,24 +38,66 @@ def write_error(err: OSError, path: str | Path) -> WriteError:
     return WriteError(err.errno, f"cannot write {path}: {cause}", str(path))
 
 
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write ``text`` to a temporary file beside ``path``, fsync it, and rename it into place.
-    On failure the temporary is removed and a :class:`WriteError` names ``path``; the old file
-    (if any) is left as it was."""
+class LinkRefused(WriteError):
+    """A destination (or its folder) is a symbolic link srpo did not make: nothing is written through it."""
+
+
+def refuse_link_destination(path: str | Path) -> None:
+    """Raise :class:`LinkRefused` when ``path`` or its folder is a symbolic link: a folder from
+    someone else may plant one to make srpo overwrite the file it names."""
     path = Path(path)
+    for p in (path, path.parent):
+        if p.is_symlink():
+            raise LinkRefused(errno.ELOOP, f"refusing to write {path}: {p} is a symbolic link srpo did not make "
+                                           f"(to {os.readlink(p)}); remove it or write elsewhere", str(path))
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to a temporary file created exclusively beside ``path`` (``O_EXCL |
+    O_NOFOLLOW``: a planted file or link of that name is never opened), fsync it, and rename it
+    into place; a destination that is a link, or in a folder that is one, is refused
+    (:class:`LinkRefused`).  On failure the temporary is removed and a :class:`WriteError` names
+    ``path``; the old file (if any) is left as it was."""
+    path = Path(path)
+    refuse_link_destination(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+        except FileExistsError:  # a crashed write of this process id, or a planted name: never reused
+            if tmp.is_symlink() or not tmp.is_file():
+                raise LinkRefused(errno.EEXIST, f"refusing to write {path}: {tmp} exists and is not srpo's "
+                                                f"temporary file", str(path)) from None
+            tmp.unlink()
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except LinkRefused:
+        raise
     except OSError as err:
         try:
-            tmp.unlink()
+            if not tmp.is_symlink():
+                tmp.unlink()
         except OSError:
             pass
         raise write_error(err, path) from err
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """:func:`write_bytes_atomic` of ``text`` as UTF-8."""
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def save_figure(fig, path: str | Path, dpi: int = 110) -> None:
+    """A matplotlib figure as a PNG at ``path``, written as :func:`write_bytes_atomic` writes."""
+    import io
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    write_bytes_atomic(path, buffer.getvalue())
 
 
 def _alive(pid: int) -> bool:

@@ -499,3 +499,40 @@ def test_the_trust_check_flags_data_lookalike_import_paths_in_every_code_field(k
         assert key in code_named(config), (key, value)
     # A data source keeps its data spellings: a hub id or a synthetic source is not code.
     assert code_named({"task": {"train": {"source": "synthetic_parts"}, "eval": [{"source": "hub:gsm8k"}]}}) == {}
+
+
+def test_no_writer_follows_a_link_planted_in_a_folder(finished_run, tmp_path):
+    """``srpo report`` into a downloaded folder whose report.md, a plot or report/ is a link to the
+    user's file: refused, naming the link, and the user's file is untouched; so are eval outputs
+    and the atomic writer's temporary name."""
+    import shutil
+
+    from srpo.apps.report import write_summary
+    from srpo.evaluation import write_results
+    from srpo.runs.fileio import LinkRefused, write_text_atomic
+
+    victim = tmp_path / "bashrc"
+    victim.write_text("the user's file\n")
+    for plant in ("report.md", "report/reward_accuracy.png", "report"):
+        run = tmp_path / f"downloaded-{plant.replace('/', '-')}"
+        shutil.copytree(finished_run, run)
+        shutil.rmtree(run / "report", ignore_errors=True)
+        (run / "report.md").unlink(missing_ok=True)
+        target = victim if plant != "report" else tmp_path
+        if "/" in plant:
+            (run / "report").mkdir()
+        (run / plant).symlink_to(target)
+        with pytest.raises(LinkRefused, match="symbolic link srpo did not make"):
+            write_summary(run)
+        assert victim.read_text() == "the user's file\n"
+    out = tmp_path / "eval"
+    out.mkdir()
+    (out / "eval.json").symlink_to(victim)
+    with pytest.raises(LinkRefused):
+        write_results({"k": 1, "datasets": {}, "macro": {"avg@1": 0.0, "pass@1": 0.0}}, out, "eval")
+    # A planted file or link at the writer's temporary name is never opened.
+    dest = tmp_path / "notes.md"
+    (tmp_path / f".notes.md.tmp{os.getpid()}").symlink_to(victim)
+    with pytest.raises(LinkRefused, match="not srpo's temporary file"):
+        write_text_atomic(dest, "x")
+    assert victim.read_text() == "the user's file\n" and not dest.exists()
