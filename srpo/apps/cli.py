@@ -390,7 +390,10 @@ def _report(args) -> int:
     if not read_metrics(run_dir):
         raise UsageError(f"{run_dir}: no metrics.jsonl rows — not a run folder, or a run that has not "
                          f"finished a step yet")
-    path = write_summary(run_dir)
+    try:
+        path = write_summary(run_dir)
+    except ValueError as err:  # a metrics log srpo did not write: one line, no traceback
+        raise UsageError(str(err)) from None
     print(f"report: {path}")
     return 0
 

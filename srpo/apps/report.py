@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import json
 from pathlib import Path
 
@@ -176,9 +177,33 @@ def _heldout_section(run_dir: Path, rows: list[dict]) -> list[str]:
     return lines + [""]
 
 
+#: Metrics the report adds up or prints as numbers: each must be a number where a row has it.
+NUMERIC_KEYS = ("step", "time/step_s", "events/invalid", "nonfinite_skipped", "reward", "accuracy",
+                "objective/clip_frac", "grad_norm/total", "grad_clip/any", "active_set_size/mean", "team_tokens",
+                "correct_per_million_tokens")
+
+
+def check_metric_types(run_dir: Path, rows: list[dict]) -> None:
+    """One clear error for the first row whose metric the report reads is not a number."""
+    for i, row in enumerate(rows, 1):
+        for key in NUMERIC_KEYS:
+            value = row.get(key)
+            if key in row and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ValueError(f"{Path(run_dir) / 'metrics.jsonl'}: row {i}: {key!r} is {type(value).__name__} "
+                                 f"{str(value)[:40]!r}, not a number — not a metrics log srpo wrote")
+        if "step" not in row:
+            raise ValueError(f"{Path(run_dir) / 'metrics.jsonl'}: row {i} has no 'step' — not a metrics log srpo wrote")
+
+
+def _escape(value) -> str:
+    """Text copied from a folder into report.md, with HTML's special characters escaped."""
+    return html.escape(str(value), quote=False)
+
+
 def write_summary(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)
+    check_metric_types(run_dir, rows)
     plots, flat = plan_plots(run_dir)
     cfg_path = sorted((run_dir / "checkpoints").glob("step_*/config.json"))
     config = json.loads(cfg_path[-1].read_text()) if cfg_path else {}
@@ -188,13 +213,13 @@ def write_summary(run_dir: Path) -> Path:
         vals = [r[key] for r in rs if isinstance(r.get(key), (int, float))]
         return sum(vals) / len(vals) if vals else float("nan")
 
-    lines = [f"# Run report: {run_dir.name}", ""]
-    if config:
-        lines += [f"- model: `{config['model']['name']}` ({config['model']['layout']})",
-                  f"- workflow: `{config['workflow']['name']}` {config['workflow'].get('options') or ''}",
-                  f"- method: `{config['method']['name']}` (set reduction {config['method']['set_reduction']}, "
-                  f"clip ε {config['method']['clip_eps']})",
-                  f"- task: {config['task']['kind']} — train source `{config['task']['train']['source']}`"]
+    lines = [f"# Run report: {_escape(run_dir.name)}", ""]
+    if config:  # a folder's own text: escaped (a downloaded folder's config may carry raw HTML)
+        lines += [f"- model: `{_escape(config['model']['name'])}` ({_escape(config['model']['layout'])})",
+                  f"- workflow: `{_escape(config['workflow']['name'])}` {_escape(config['workflow'].get('options') or '')}",
+                  f"- method: `{_escape(config['method']['name'])}` (set reduction {_escape(config['method']['set_reduction'])}, "
+                  f"clip ε {_escape(config['method']['clip_eps'])})",
+                  f"- task: {_escape(config['task']['kind'])} — train source `{_escape(config['task']['train']['source'])}`"]
     total_time = sum(r.get("time/step_s", 0) for r in rows)
     lines += [f"- steps: {rows[-1]['step']}, training time {total_time / 60:.1f} min", "",
               "| | first 5 steps | last 5 steps |", "|---|---:|---:|"]
@@ -210,7 +235,7 @@ def write_summary(run_dir: Path) -> Path:
                         ("eval_after.md", "Held-out evaluation after training")):
         p = run_dir / name
         if p.is_file():
-            lines += [f"## {title}", "", p.read_text(), ""]
+            lines += [f"## {title}", "", _escape(p.read_text()), ""]
     lines += ["## Plots", ""]
     for path, caption in plots:
         lines += [f"![{path.stem}](report/{path.name})", "", f"*{caption}*", ""]

@@ -536,3 +536,22 @@ def test_no_writer_follows_a_link_planted_in_a_folder(finished_run, tmp_path):
     with pytest.raises(LinkRefused, match="not srpo's temporary file"):
         write_text_atomic(dest, "x")
     assert victim.read_text() == "the user's file\n" and not dest.exists()
+
+
+def test_reports_escape_what_they_copy_and_name_a_wrong_typed_metric(finished_run, tmp_path, capsys):
+    import shutil
+
+    from srpo.apps.report import write_summary
+
+    run = tmp_path / "downloaded"
+    shutil.copytree(finished_run, run)
+    (run / "eval_before.md").write_text("| x |\n<script>alert(1)</script><img src=x onerror=alert(2)>\n")
+    report = write_summary(run).read_text()
+    assert "<script>" not in report and "&lt;script&gt;alert(1)&lt;/script&gt;" in report and "<img" not in report
+    rows = (run / "metrics.jsonl").read_text().splitlines()
+    row = json.loads(rows[0])
+    row["time/step_s"] = "1; rm -rf ~"
+    (run / "metrics.jsonl").write_text("\n".join([json.dumps(row), *rows[1:]]) + "\n")
+    assert main(["report", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "row 1: 'time/step_s' is str" in err[0] and "Traceback" not in err[0]
