@@ -121,6 +121,42 @@ def _content_text(content: Any, where: str) -> str | None:
     raise ProtocolError(f"{where} must be a string or a list of text parts", param=where)
 
 
+#: How deeply a tool call's arguments (a JSON text inside the request's JSON) may nest: the same
+#: bound as the request body's (srpo.runs.serving.MAX_JSON_DEPTH), checked before anything parses them.
+MAX_ARGUMENTS_DEPTH = 64
+
+
+def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant turn's ``tool_calls`` in the API's shape — a list of ``{id?, type: function,
+    function: {name, arguments}}`` with string (or object) arguments nesting at most
+    :data:`MAX_ARGUMENTS_DEPTH` deep — or a 400 naming the field (a template or a parser must never
+    meet another shape)."""
+    from srpo.runs.serving import json_depth
+
+    if not isinstance(value, list):
+        raise ProtocolError(f"{where} must be a list of tool calls", param=where)
+    for i, call in enumerate(value):
+        w = f"{where}[{i}]"
+        if not isinstance(call, dict):
+            raise ProtocolError(f"{w} must be an object {{id, type, function: {{name, arguments}}}}", param=w)
+        if call.get("type", "function") != "function":
+            raise ProtocolError(f"{w}.type must be 'function', got {call.get('type')!r}", param=f"{w}.type")
+        if call.get("id") is not None and not isinstance(call["id"], str):
+            raise ProtocolError(f"{w}.id must be a string", param=f"{w}.id")
+        fn = call.get("function")
+        if not isinstance(fn, dict):
+            raise ProtocolError(f"{w}.function must be an object with 'name' and 'arguments'", param=f"{w}.function")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ProtocolError(f"{w}.function.name must be a non-empty string", param=f"{w}.function.name")
+        args = fn.get("arguments")
+        if not isinstance(args, (str, dict)):
+            raise ProtocolError(f"{w}.function.arguments must be a JSON string", param=f"{w}.function.arguments")
+        if isinstance(args, str) and json_depth(args.encode("utf-8", "replace")) > MAX_ARGUMENTS_DEPTH:
+            raise ProtocolError(f"{w}.function.arguments nests deeper than {MAX_ARGUMENTS_DEPTH} levels",
+                                param=f"{w}.function.arguments")
+    return value
+
+
 def _messages(body: dict) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -139,8 +175,12 @@ def _messages(body: dict) -> list[dict[str, Any]]:
             raise ProtocolError(f"{where}.content is missing", param=f"{where}.content")
         # 'developer' is OpenAI's newer name for the system message; chat templates know 'system'.
         clean = {"role": "system" if role == "developer" else role, "content": content or ""}
-        for key in ("tool_calls", "tool_call_id", "name"):
+        if m.get("tool_calls") is not None:
+            clean["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+        for key in ("tool_call_id", "name"):
             if m.get(key) is not None:
+                if not isinstance(m[key], str):
+                    raise ProtocolError(f"{where}.{key} must be a string", param=f"{where}.{key}")
                 clean[key] = m[key]
         out.append(clean)
     return out

@@ -353,3 +353,21 @@ def test_the_think_parser_splits_thinking_from_the_answer(reply, reasoning, cont
     plain = parse_request({"model": "solver", "messages": CONVERSATION}, chat=True)
     c = choice(Sample([1], reply, [0.0], "eos"), SamplingParams(), plain, None, reasoning_parser="think")
     assert (c.reasoning or "", c.text) == (reasoning, content)
+
+
+@pytest.mark.parametrize("tool_calls, field", [
+    ("call it", "messages[1].tool_calls"), (3, "messages[1].tool_calls"), ([1], "messages[1].tool_calls[0]"),
+    ([{"type": "function", "function": {"name": "get_weather"}}], "messages[1].tool_calls[0].function.arguments"),
+    ([{"type": "function", "function": {"arguments": "{}"}}], "messages[1].tool_calls[0].function.name"),
+    ([{"type": "function", "function": "get_weather"}], "messages[1].tool_calls[0].function"),
+    ([{"type": "code", "function": {"name": "f", "arguments": "{}"}}], "messages[1].tool_calls[0].type"),
+    ([{"id": 7, "type": "function", "function": {"name": "f", "arguments": "{}"}}], "messages[1].tool_calls[0].id"),
+    ([{"type": "function", "function": {"name": "f", "arguments": "[" * 20_000 + "]" * 20_000}}],
+     "messages[1].tool_calls[0].function.arguments"),
+])
+def test_malformed_tool_calls_in_an_assistant_turn_are_a_400_naming_the_field(tool_calls, field):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": tool_calls},
+                {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    with pytest.raises(ProtocolError) as err:
+        parse_request({"model": "s", "messages": messages}, chat=True)
+    assert err.value.status == 400 and err.value.param == field
