@@ -212,6 +212,20 @@ def _model_config(args) -> tuple[dict, Path | None, dict | None]:
 _UNUSED_WHEN_SERVING = ("method", "train", "log", "checkpoint", "sft")
 
 
+def drop_folder_retriever(saved: dict | None, data: dict, user_url: str) -> str | None:
+    """A retriever URL that came from a folder's config (``saved``) is dropped from ``data`` unless the
+    user gave their own (``user_url``): srpo sends ``SRPO_RETRIEVER_API_KEY`` only where the user
+    sent it, never to a URL someone else's folder names.  Returns the note to print, or None."""
+    from srpo.runs.secrets import redact
+
+    folder_url = ((saved or {}).get("retriever") or {}).get("url")
+    if not folder_url or user_url:
+        return None
+    data.setdefault("retriever", {})["url"] = ""
+    return (f"the folder's retriever.url ({redact(folder_url)}) is not used: a URL from a run folder never receives "
+            f"your credentials — give your own with --retriever-url (or --set retriever.url=...) or search a --corpus")
+
+
 def _refuse_folder_code(args, saved: dict | None, data: dict, flags: dict, *, serving: bool) -> None:
     """Code named in the folder's config (``saved``) runs only with ``--trust-run-code``
     (:mod:`srpo.runs.trust`).  Called before anything resolves a name in ``data``.  Without the
@@ -259,6 +273,9 @@ def _eval(args) -> int:
     sources = _parse_data(args.data)
     data, checkpoint, saved = _model_config(args)
     _refuse_folder_code(args, saved, data, {"task.kind": args.kind}, serving=False)
+    note = drop_folder_retriever(saved, data, args.retriever_url)
+    if note:
+        print(note, file=sys.stderr)
     workflow_ = data["workflow"]
     kind = args.kind
     if kind is None and workflow_["name"] in WORKFLOWS:

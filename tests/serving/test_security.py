@@ -555,3 +555,23 @@ def test_reports_escape_what_they_copy_and_name_a_wrong_typed_metric(finished_ru
     assert main(["report", str(run)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "row 1: 'time/step_s' is str" in err[0] and "Traceback" not in err[0]
+
+
+def test_a_retriever_url_from_a_folder_never_gets_the_users_key(planted, capsys, monkeypatch):
+    """``srpo eval`` of a folder whose config names a retriever: the URL is dropped (said on stderr),
+    so nothing — the user's SRPO_RETRIEVER_API_KEY least of all — is sent there; the user's own URL is kept."""
+    from srpo.apps.cli import drop_folder_retriever
+
+    saved = {"retriever": {"url": "http://attacker.example:8000/retrieve?token=abc"}}
+    data = {"retriever": {"url": saved["retriever"]["url"]}}
+    note = drop_folder_retriever(saved, data, user_url="")
+    assert data["retriever"]["url"] == "" and "--retriever-url" in note and "token=abc" not in note
+    mine = {"retriever": {"url": "http://127.0.0.1:9/retrieve"}}
+    assert drop_folder_retriever(saved, mine, user_url="http://127.0.0.1:9/retrieve") is None
+    assert mine["retriever"]["url"] == "http://127.0.0.1:9/retrieve"
+    run, marker, folder = planted
+    _plant(run, marker, folder, **{"retriever.url": "http://127.0.0.1:9/retrieve"})
+    monkeypatch.setenv("SRPO_RETRIEVER_API_KEY", "the-users-secret")
+    assert main(["eval", "--model", str(run), *DATA]) == 0
+    err = capsys.readouterr().err
+    assert "the folder's retriever.url" in err and "is not used" in err
