@@ -235,7 +235,7 @@ def _refuse_folder_code(args, saved: dict | None, data: dict, flags: dict, *, se
     import copy
 
     from srpo.config import apply_overrides
-    from srpo.runs.trust import code_named, refuse_saved_code
+    from srpo.runs.trust import code_named, refuse_files_outside, refuse_saved_code
 
     if saved is None or args.trust_run_code:
         return
@@ -258,6 +258,17 @@ def _refuse_folder_code(args, saved: dict | None, data: dict, flags: dict, *, se
             final.setdefault(section, {})[key] = value
     apply_overrides(final, args.set)
     refuse_saved_code(saved, final, str(args.model))
+    refuse_files_outside(saved, final, _folder_of(args.model), str(args.model))
+
+
+def _folder_of(model: str) -> Path:
+    """The run (or srpo sft output) folder ``--model`` names: the folder holding ``checkpoints/``
+    when it names a checkpoint inside one, else itself."""
+    path = Path(model).resolve()
+    for candidate in (path, *path.parents):
+        if candidate.name == "checkpoints":
+            return candidate.parent
+    return path
 
 
 def _eval(args) -> int:

@@ -105,3 +105,44 @@ def refuse_saved_code(saved: dict, final: dict, source: str) -> None:
         f"{source} names code to run ({listed}). srpo does not import or run code named in a run folder: "
         f"pass {TRUST_FLAG} if you trust whoever wrote it, or give your own on the command line "
         f"(--workflow/--options, --kind, --engine, --set KEY=VALUE)")
+
+
+#: Keys of a saved config whose value may be a file srpo reads (a chat template is read into every
+#: prompt; a corpus is searched and quoted back): inside the folder, or refused.
+FILE_KEYS = ("model.chat_template", "task.corpus")
+
+
+def _is_file_reference(key: str, value: Any) -> bool:
+    if not isinstance(value, str) or not value:
+        return False
+    if key == "model.chat_template":  # a registered template name, Jinja text, or a .jinja file
+        return value.endswith(".jinja") and "{" not in value
+    return not value.startswith(_DATA_PREFIXES) and not value.startswith("synthetic_")
+
+
+def files_outside(saved: dict, final: dict, folder) -> dict[str, str]:
+    """``{key: path}`` of the files the folder's config (``saved``) names that are still in
+    ``final`` and resolve — symbolic links followed — outside ``folder``."""
+    from pathlib import Path
+
+    root = Path(folder).resolve()
+    out = {}
+    for key in FILE_KEYS:
+        value = _get(saved, key)
+        if value is _MISSING or not _is_file_reference(key, value) or _get(final, key) != value:
+            continue
+        path = Path(value) if Path(value).is_absolute() else root / value
+        resolved = path.resolve()
+        if resolved != root and root not in resolved.parents:
+            out[key] = value
+    return out
+
+
+def refuse_files_outside(saved: dict, final: dict, folder, source: str) -> None:
+    """Raise :class:`UntrustedCode` naming each file the folder's config names outside the folder."""
+    outside = files_outside(saved, final, folder)
+    if outside:
+        listed = "; ".join(f"{key} = {value!r}" for key, value in sorted(outside.items()))
+        raise UntrustedCode(f"{source} names files outside itself ({listed}); srpo reads only files inside a run "
+                            f"folder it did not write: pass {TRUST_FLAG} if you trust it, or give your own on the "
+                            f"command line (--set KEY=VALUE, --corpus)")

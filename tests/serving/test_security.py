@@ -575,3 +575,24 @@ def test_a_retriever_url_from_a_folder_never_gets_the_users_key(planted, capsys,
     assert main(["eval", "--model", str(run), *DATA]) == 0
     err = capsys.readouterr().err
     assert "the folder's retriever.url" in err and "is not used" in err
+
+
+def test_files_a_folder_names_stay_inside_it(planted, tmp_path, capsys):
+    """A folder's chat template outside the folder (a path, or a link inside it that points out)
+    is refused unless trusted; one inside the folder is read."""
+    run, marker, folder = planted
+    outside = tmp_path / "secrets.jinja"
+    outside.write_text("{{ 'the users private file' }}")
+    _plant(run, marker, folder, **{"model.chat_template": str(outside)})
+    assert main(["eval", "--model", str(run), *DATA]) == 2
+    err = capsys.readouterr().err
+    assert "names files outside itself" in err and "model.chat_template" in err
+    (run / "link.jinja").symlink_to(outside)
+    _plant(run, marker, folder, **{"model.chat_template": "link.jinja"})
+    assert main(["eval", "--model", str(run), *DATA]) == 2
+    assert "names files outside itself" in capsys.readouterr().err
+    from srpo.runs.trust import files_outside
+
+    inside = run / "template.jinja"
+    inside.write_text("x")
+    assert files_outside({"model": {"chat_template": str(inside)}}, {"model": {"chat_template": str(inside)}}, run) == {}
