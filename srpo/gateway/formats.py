@@ -43,8 +43,38 @@ def response_grammar(value: Any, param: str = "response_format", *, flat: bool =
     if not isinstance(schema, dict):
         raise ProtocolError(f"'{where}.schema' must be a JSON Schema object", param=f"{where}.schema")
     name = spec.get("name", "")
-    return _checked(Grammar(json.dumps(schema, sort_keys=True), name if isinstance(name, str) else ""),
-                    f"{where}.schema")
+    text = json.dumps(schema, sort_keys=True)
+    check_schema_cost(schema, text, f"{where}.schema")  # before any compilation
+    return _checked(Grammar(text, name if isinstance(name, str) else ""), f"{where}.schema")
+
+
+#: What a JSON schema may cost before it is compiled (the request is refused with a 400 naming the
+#: limit past any of them): its size as JSON text, its nesting depth and its number of properties.
+MAX_SCHEMA_BYTES = 64 * 1024
+MAX_SCHEMA_DEPTH = 16
+MAX_SCHEMA_PROPERTIES = 512
+
+
+def check_schema_cost(schema: Any, text: str, param: str) -> None:
+    """Refuse a schema past :data:`MAX_SCHEMA_BYTES`, :data:`MAX_SCHEMA_DEPTH` or
+    :data:`MAX_SCHEMA_PROPERTIES` (an iterative walk: no recursion on a hostile depth)."""
+    if len(text) > MAX_SCHEMA_BYTES:
+        raise ProtocolError(f"'{param}' is {len(text):,} bytes of JSON; at most {MAX_SCHEMA_BYTES:,} are compiled",
+                            param=param)
+    properties, stack = 0, [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ProtocolError(f"'{param}' nests deeper than {MAX_SCHEMA_DEPTH} levels", param=param)
+        if isinstance(node, dict):
+            props = node.get("properties")
+            if isinstance(props, dict):
+                properties += len(props)
+                if properties > MAX_SCHEMA_PROPERTIES:
+                    raise ProtocolError(f"'{param}' has more than {MAX_SCHEMA_PROPERTIES} properties", param=param)
+            stack.extend((v, depth + 1) for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node if isinstance(v, (dict, list)))
 
 
 def _checked(grammar: Grammar, param: str) -> Grammar:

@@ -157,10 +157,18 @@ def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
     return value
 
 
+#: Counted before any per-item work: a request past either is a 400 naming the limit.
+MAX_MESSAGES = 4096
+MAX_TOOLS = 512
+
+
 def _messages(body: dict) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ProtocolError("'messages' must be a non-empty list of {role, content}", param="messages")
+    if len(messages) > MAX_MESSAGES:
+        raise ProtocolError(f"'messages' holds {len(messages):,} messages; at most {MAX_MESSAGES:,} are served",
+                            param="messages")
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
@@ -236,8 +244,10 @@ def parse_request(body: Any, *, chat: bool, headers: dict[str, str] | None = Non
         n=_integer(body, "n", 1, MAX_CHOICES) or 1, stream=stream, event_tag=_tag(body, headers or {}),
     )
     if chat:
-        req.messages = _messages(body)
         tools = body.get("tools")
+        if isinstance(tools, list) and len(tools) > MAX_TOOLS:  # counted before any message or tool is read
+            raise ProtocolError(f"'tools' lists {len(tools):,} tools; at most {MAX_TOOLS} are served", param="tools")
+        req.messages = _messages(body)
         if tools is not None:
             if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
                 raise ProtocolError("'tools' must be a list of tool objects", param="tools")

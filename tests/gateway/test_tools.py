@@ -371,3 +371,32 @@ def test_malformed_tool_calls_in_an_assistant_turn_are_a_400_naming_the_field(to
     with pytest.raises(ProtocolError) as err:
         parse_request({"model": "s", "messages": messages}, chat=True)
     assert err.value.status == 400 and err.value.param == field
+
+
+def test_requests_that_would_cost_are_refused_before_the_work():
+    """Counts and schema sizes are checked before any per-item work or grammar compilation, each
+    refusal a 400 naming its limit (the three shapes a hostile client sends)."""
+    from srpo.gateway import formats, protocol
+
+    user = {"role": "user", "content": "hi"}
+    big_schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 200} for i in range(2000)}}
+    deep: dict = {"type": "object"}
+    node = deep
+    for _ in range(40):
+        node["properties"] = {"a": {"type": "object"}}
+        node = node["properties"]["a"]
+    shapes = {
+        "messages": {"model": "s", "messages": [user] * 250_000},
+        "tools": {"model": "s", "messages": [user], "tools": [{"type": "function", "function": {"name": f"t{i}"}}
+                                                               for i in range(38_000)]},
+        "response_format.json_schema.schema": {"model": "s", "messages": [user], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": big_schema}}},
+    }
+    for param, body in shapes.items():
+        with pytest.raises(ProtocolError) as err:
+            parse_request(body, chat=True)
+        assert err.value.status == 400 and err.value.param == param and "at most" in err.value.message
+    with pytest.raises(ProtocolError, match=f"deeper than {formats.MAX_SCHEMA_DEPTH}"):
+        parse_request({"model": "s", "messages": [user], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": deep}}}, chat=True)
+    assert protocol.MAX_MESSAGES >= 1024 and protocol.MAX_TOOLS >= 128  # room for real agents
