@@ -43,7 +43,9 @@ def response_grammar(value: Any, param: str = "response_format", *, flat: bool =
     if not isinstance(schema, dict):
         raise ProtocolError(f"'{where}.schema' must be a JSON Schema object", param=f"{where}.schema")
     name = spec.get("name", "")
-    text = json.dumps(schema, sort_keys=True)
+    # The schema as given: its properties' order is the order the grammar writes them in (users put
+    # ``reasoning`` before ``answer`` so that the model reasons first; sorting the keys would not).
+    text = json.dumps(schema)
     check_schema_cost(schema, text, f"{where}.schema")  # before any compilation
     return _checked(Grammar(text, name if isinstance(name, str) else ""), f"{where}.schema")
 

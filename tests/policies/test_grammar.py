@@ -67,3 +67,23 @@ def test_rows_without_a_grammar_are_drawn_as_before():
                    generator=torch.Generator().manual_seed(3))
     assert mixed[0].completion_ids == alone[0].completion_ids and mixed[0].logprobs == alone[0].logprobs
     assert mixed[1].text.startswith("{")
+
+
+def test_structured_replies_write_properties_in_the_schemas_order():
+    """``response_format`` with ``reasoning`` listed before ``answer``: the grammar the gateway builds
+    keeps that order and the sampled reply writes ``reasoning`` first (a sorted schema would put
+    ``answer`` first, before the model has reasoned)."""
+    from srpo.gateway.protocol import parse_request
+
+    schema = {"type": "object", "properties": {"reasoning": {"type": "string", "maxLength": 12},
+                                               "answer": {"type": "integer"}},
+              "required": ["reasoning", "answer"], "additionalProperties": False}
+    req = parse_request({"model": "s", "messages": [{"role": "user", "content": "2+2?"}],
+                         "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}},
+                        chat=True)
+    assert req.grammar.schema.index('"reasoning"') < req.grammar.schema.index('"answer"')
+    model, tok = load_model("tiny-llama", seed=0)
+    prompt = tok("2+2?", add_special_tokens=False)["input_ids"]
+    params = [SamplingParams(temperature=1.0, max_new_tokens=40, grammar=req.grammar)] * 2
+    for s in sample(model, tok, [prompt] * 2, params, generator=torch.Generator().manual_seed(1)):
+        assert s.text.startswith('{"reasoning":'), s.text
