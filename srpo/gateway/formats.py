@@ -82,7 +82,11 @@ def check_schema_cost(schema: Any, text: str, param: str) -> None:
 def _checked(grammar: Grammar, param: str) -> Grammar:
     from srpo.policies.grammar import compile_error
 
-    error = compile_error(grammar)
+    try:
+        error = compile_error(grammar)
+    except ImportError as err:  # a hand-made environment without the grammar library: said, not a 500
+        raise ProtocolError(f"'{param}': structured output is not available on this server ({err})", param=param,
+                            status=501, kind="not_implemented") from None
     if error:
         raise ProtocolError(f"'{param}': the schema cannot be enforced: {error.strip()[:500]}", param=param)
     return grammar

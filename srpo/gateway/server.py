@@ -239,6 +239,7 @@ class Gateway:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0):
         _require_server_libraries()
+        warn_without_grammar_library("srpo train (the gateway its agents call)")
         self._backends: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._sock = serving.bind(host, port)
@@ -314,11 +315,25 @@ def shared(host: str = "127.0.0.1", port: int = 0) -> Gateway:
         return gw
 
 
+def warn_without_grammar_library(who: str) -> bool:
+    """Say at start-up, once, when structured output cannot be served (the grammar library is
+    missing from this environment); its requests are then a 501 naming the install.  True: it can."""
+    import importlib.util
+
+    if importlib.util.find_spec("llguidance") is not None:
+        return True
+    log.warning("%s: structured output (response_format json_schema/json_object, text.format, output_type) "
+                "needs llguidance, which is not installed here: such requests will be refused (501) — "
+                "pip install llguidance", who)
+    return False
+
+
 def serve_forever(backend, host: str = "127.0.0.1", port: int = 8000, *, ready=None, api_key: str = "") -> None:
     """``srpo serve``: the routes at ``/v1`` (and per-token routes, unused) in this thread until
     interrupted.  ``ready(host, port)`` is called once it listens.  ``api_key``: every request
     needs it as a bearer token ('': none; a warning when ``host`` is not loopback)."""
     _require_server_libraries()
+    warn_without_grammar_library("srpo serve")
     sock = serving.bind(host, port)
     serving.warn_if_exposed(host, api_key, "srpo serve")
     guard = serving.Guard(api_key=api_key, loopback_only=serving.is_loopback(host), max_body_bytes=MAX_BODY_BYTES)

@@ -400,3 +400,25 @@ def test_requests_that_would_cost_are_refused_before_the_work():
         parse_request({"model": "s", "messages": [user], "response_format": {
             "type": "json_schema", "json_schema": {"name": "x", "schema": deep}}}, chat=True)
     assert protocol.MAX_MESSAGES >= 1024 and protocol.MAX_TOOLS >= 128  # room for real agents
+
+
+def test_without_the_grammar_library_structured_requests_are_a_501_naming_the_install(monkeypatch, caplog):
+    import builtins
+
+    from srpo.gateway import server
+
+    real_import = builtins.__import__
+
+    def no_llguidance(name, *args, **kwargs):
+        if name.startswith("llguidance"):
+            raise ImportError("No module named 'llguidance'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_llguidance)
+    with pytest.raises(ProtocolError) as err:
+        parse_request({"model": "s", "messages": [{"role": "user", "content": "hi"}],
+                       "response_format": {"type": "json_object"}}, chat=True)
+    assert err.value.status == 501 and "pip install llguidance" in err.value.message
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
+    assert server.warn_without_grammar_library("srpo serve") is False
+    assert "needs llguidance" in caplog.text and "pip install llguidance" in caplog.text
