@@ -126,7 +126,7 @@ def _content_text(content: Any, where: str) -> str | None:
 MAX_ARGUMENTS_DEPTH = 64
 
 
-def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
+def checked_tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
     """An assistant turn's ``tool_calls`` in the API's shape — a list of ``{id?, type: function,
     function: {name, arguments}}`` with string (or object) arguments nesting at most
     :data:`MAX_ARGUMENTS_DEPTH` deep — or a 400 naming the field (a template or a parser must never
@@ -184,7 +184,7 @@ def _messages(body: dict) -> list[dict[str, Any]]:
         # 'developer' is OpenAI's newer name for the system message; chat templates know 'system'.
         clean = {"role": "system" if role == "developer" else role, "content": content or ""}
         if m.get("tool_calls") is not None:
-            clean["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+            clean["tool_calls"] = checked_tool_calls(m["tool_calls"], f"{where}.tool_calls")
         for key in ("tool_call_id", "name"):
             if m.get(key) is not None:
                 if not isinstance(m[key], str):

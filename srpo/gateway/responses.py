@@ -19,7 +19,9 @@ import time
 from typing import Any, Iterator
 
 from srpo.gateway import formats, tools as tool_rules
-from srpo.gateway.protocol import Choice, CompletionRequest, ProtocolError, _integer, _number, _tag
+from srpo.gateway.protocol import (MAX_ARGUMENTS_DEPTH, Choice, CompletionRequest, ProtocolError, _integer, _number,
+                                   _tag)
+from srpo.runs.serving import json_depth
 
 _INPUT_ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
@@ -69,14 +71,22 @@ def _messages(body: dict) -> list[dict[str, Any]]:
             if not isinstance(name, str) or not isinstance(args, str):
                 raise ProtocolError(f"{where}: a function_call needs 'name' and 'arguments' (a JSON string)",
                                     param=where)
-            call = {"id": item.get("call_id") or item.get("id") or f"call_{secrets.token_hex(8)}", "type": "function",
-                    "function": {"name": name, "arguments": args}}
+            call_id = item.get("call_id") or item.get("id") or f"call_{secrets.token_hex(8)}"
+            if not isinstance(call_id, str):
+                raise ProtocolError(f"{where}.call_id must be a string", param=f"{where}.call_id")
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            if json_depth(args.encode("utf-8", "replace")) > MAX_ARGUMENTS_DEPTH:  # checked before anything parses them
+                raise ProtocolError(f"{where}.arguments nests deeper than {MAX_ARGUMENTS_DEPTH} levels",
+                                    param=f"{where}.arguments")
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":  # the same turn: text, then its calls
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise ProtocolError(f"{where}.call_id must be a string (the call this output answers)",
+                                    param=f"{where}.call_id")
             output = item.get("output", "")
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
                              "content": output if isinstance(output, str) else _text(output, f"{where}.output")})

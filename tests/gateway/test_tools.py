@@ -422,3 +422,18 @@ def test_without_the_grammar_library_structured_requests_are_a_501_naming_the_in
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
     assert server.warn_without_grammar_library("srpo serve") is False
     assert "needs llguidance" in caplog.text and "pip install llguidance" in caplog.text
+
+
+@pytest.mark.parametrize("item, field", [
+    ({"type": "function_call", "name": "f", "arguments": "[" * 20_000 + "]" * 20_000, "call_id": "c"},
+     "input[1].arguments"),
+    ({"type": "function_call", "name": "f", "arguments": "{}", "call_id": 5}, "input[1].call_id"),
+    ({"type": "function_call", "name": 3, "arguments": "{}"}, "input[1]"),
+    ({"type": "function_call_output", "call_id": ["c"], "output": "x"}, "input[1].call_id"),
+])
+def test_malformed_function_calls_in_a_responses_request_are_a_400_naming_the_field(item, field):
+    from srpo.gateway.responses import parse_responses_request
+
+    with pytest.raises(ProtocolError) as err:
+        parse_responses_request({"model": "s", "input": [{"role": "user", "content": "hi"}, item]})
+    assert err.value.status == 400 and err.value.param == field
