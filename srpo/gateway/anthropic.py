@@ -60,9 +60,11 @@ def _assistant(blocks: list[dict[str, Any]], where: str) -> dict[str, Any]:
         if kind == "text":
             text.append(str(b.get("text", "")))
         elif kind == "tool_use":
-            if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
+            if not isinstance(b.get("name"), str) or not b["name"] or not isinstance(b.get("input", {}), dict):
                 raise ProtocolError(f"{where}[{i}]: a tool_use block needs 'name' and an 'input' object",
                                     param=f"{where}[{i}]")
+            if b.get("id") is not None and not isinstance(b["id"], str):
+                raise ProtocolError(f"{where}[{i}].id must be a string", param=f"{where}[{i}].id")
             calls.append({"id": str(b.get("id") or f"toolu_{secrets.token_hex(12)}"), "type": "function",
                           "function": {"name": b["name"], "arguments": json.dumps(b.get("input", {}),
                                                                                   ensure_ascii=False)}})
@@ -85,6 +87,9 @@ def _user(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
         if kind == "text":
             text.append(str(b.get("text", "")))
         elif kind == "tool_result":
+            if not isinstance(b.get("tool_use_id"), str):
+                raise ProtocolError(f"{where}[{i}].tool_use_id must be a string (the tool_use this answers)",
+                                    param=f"{where}[{i}].tool_use_id")
             result = _text_of(b.get("content", ""), f"{where}[{i}].content")
             if b.get("is_error"):
                 result = f"Error: {result}"

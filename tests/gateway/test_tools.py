@@ -437,3 +437,18 @@ def test_malformed_function_calls_in_a_responses_request_are_a_400_naming_the_fi
     with pytest.raises(ProtocolError) as err:
         parse_responses_request({"model": "s", "input": [{"role": "user", "content": "hi"}, item]})
     assert err.value.status == 400 and err.value.param == field
+
+
+@pytest.mark.parametrize("turn, field", [
+    ({"role": "assistant", "content": [{"type": "tool_use", "id": 7, "name": "f", "input": {}}]}, "messages[1].content[0].id"),
+    ({"role": "assistant", "content": [{"type": "tool_use", "name": "", "input": {}}]}, "messages[1].content[0]"),
+    ({"role": "assistant", "content": [{"type": "tool_use", "name": "f", "input": "x"}]}, "messages[1].content[0]"),
+    ({"role": "user", "content": [{"type": "tool_result", "tool_use_id": 3, "content": "x"}]},
+     "messages[1].content[0].tool_use_id"),
+])
+def test_malformed_tool_blocks_in_an_anthropic_request_are_a_400_naming_the_field(turn, field):
+    from srpo.gateway.anthropic import parse_messages_request
+
+    with pytest.raises(ProtocolError) as err:
+        parse_messages_request({"model": "s", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}, turn]})
+    assert err.value.status == 400 and err.value.param == field
