@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from srpo.runs.fileio import sha256_file, write_text_atomic
+from srpo.runs.fileio import disk_cause, sha256_file, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -208,10 +208,12 @@ def save_checkpoint(run_dir: Path, step: int, policies, tensor_state: dict[str, 
                 cause = (f"a file reached this process's file-size limit of {over_limit} bytes (ulimit -f); raise the "
                          f"limit, or keep less in a checkpoint")
             else:
-                free = shutil.disk_usage(root if root.exists() else Path(run_dir)).free / 2**20
-                reason = (err.strerror if isinstance(err, OSError) and err.strerror
-                          else (str(err).splitlines() or [repr(err)])[0])
-                cause = f"{reason}; {free:.0f} MiB free on that disk"
+                cause = disk_cause(err, root)  # inodes, space, quota, read-only: named
+                if cause is None:
+                    free = shutil.disk_usage(root if root.exists() else Path(run_dir)).free / 2**20
+                    reason = (err.strerror if isinstance(err, OSError) and err.strerror
+                              else (str(err).splitlines() or [repr(err)])[0])
+                    cause = f"{reason}; {free:.0f} MiB free on that disk"
             raise CheckpointError(
                 f"could not write checkpoint {final} ({cause}). "
                 f"Nothing was replaced: {'the previous checkpoint ' + previous.name + ' is intact' if previous else 'no earlier checkpoint exists'}."

@@ -30,11 +30,32 @@ class WriteError(OSError):
         return self.strerror
 
 
+def disk_cause(err: BaseException, path: str | Path) -> str | None:
+    """What a failed write ran out of, in words a user can act on — free inodes (``df -i``) told
+    apart from free space (both are ``ENOSPC``), the quota, a read-only file system, the
+    file-size limit — or None when ``err`` is not a disk error."""
+    code = getattr(err, "errno", None)
+    if code == errno.ENOSPC:
+        folder = Path(path)
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        try:
+            st = os.statvfs(folder)
+        except OSError:
+            return "the disk is full"
+        free_mib = st.f_bavail * st.f_frsize / 2**20
+        if st.f_files and st.f_favail == 0:
+            return (f"no free inodes on that file system (too many files; `df -i` shows it) although {free_mib:.0f} MiB "
+                    f"are free — remove files, or write elsewhere")
+        return f"the disk is full ({free_mib:.0f} MiB free on that file system)"
+    return {errno.EFBIG: "the file is larger than this process may write (ulimit -f)",
+            errno.EDQUOT: "the disk quota is used up (`quota -s` shows it)", errno.EACCES: "permission denied",
+            errno.EROFS: "the file system is read-only"}.get(code)
+
+
 def write_error(err: OSError, path: str | Path) -> WriteError:
     """``err`` as one line naming ``path`` and the cause (``errno`` kept)."""
-    cause = {errno.ENOSPC: "the disk is full", errno.EFBIG: "the file is larger than allowed (ulimit -f?)",
-             errno.EDQUOT: "the disk quota is used up", errno.EACCES: "permission denied",
-             errno.EROFS: "the file system is read-only"}.get(err.errno, err.strerror or str(err))
+    cause = disk_cause(err, path) or err.strerror or str(err)
     return WriteError(err.errno, f"cannot write {path}: {cause}", str(path))
 
 

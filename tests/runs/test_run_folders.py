@@ -1,5 +1,6 @@
 """Reliability II: a run folder is never mixed, Ctrl-C never hangs, every failure is a message."""
 
+import errno
 import json
 import os
 import signal
@@ -672,3 +673,26 @@ def test_a_checkpoint_over_the_file_size_limit_names_the_limit(tmp_path, limit):
     last = done.stderr.strip().splitlines()[-1]
     assert f"file-size limit of {limit} bytes (ulimit -f)" in last and "free on that disk" not in last, last
     assert "step_0000001" in last and steps_logged(run) == [1]
+
+
+@pytest.mark.parametrize("code, words", [
+    (errno.EDQUOT, "quota is used up"), (errno.EROFS, "read-only"), (errno.EFBIG, "ulimit -f"),
+    (errno.ENOSPC, "the disk is full"),
+])
+def test_every_disk_error_names_its_cause(tmp_path, code, words):
+    from srpo.runs.fileio import write_error
+
+    err = write_error(OSError(code, os.strerror(code)), tmp_path / "metrics.jsonl")
+    assert words in str(err) and str(tmp_path / "metrics.jsonl") in str(err)
+
+
+def test_inodes_exhausted_are_told_apart_from_a_full_disk(tmp_path, monkeypatch):
+    """ENOSPC with space left but no free inode says so (``df -i``), not 'the disk is full'."""
+    from srpo.runs.fileio import write_error
+
+    real = os.statvfs(tmp_path)
+    fake = os.statvfs_result((real.f_bsize, real.f_frsize, real.f_blocks, real.f_bfree, real.f_bavail,
+                              1000, 0, 0, real.f_flag, real.f_namemax))
+    monkeypatch.setattr(os, "statvfs", lambda path: fake)
+    message = str(write_error(OSError(errno.ENOSPC, "No space left on device"), tmp_path / "x"))
+    assert "no free inodes" in message and "df -i" in message and "disk is full" not in message
