@@ -61,6 +61,35 @@ def load_entry(entry: str) -> Callable[..., Any]:
         raise OptionError("entry", str(err)) from None
 
 
+class ProgramExited(Exception):
+    """A program run in a thread raised ``SystemExit``, ``KeyboardInterrupt`` or another
+    ``BaseException``: that costs its episode (a program error), never the run — and a
+    ``KeyboardInterrupt`` a program raised is not the user's Ctrl-C (that is a signal the trainer
+    receives in its main thread)."""
+
+
+def _contained(program: Callable[..., Any], task, url: str) -> Any:
+    """``program(task, url)`` in a worker thread, its BaseExceptions turned into :class:`ProgramExited`."""
+    try:
+        return program(task, url)
+    except Exception:
+        raise
+    except BaseException as err:  # noqa: BLE001 - SystemExit(3), KeyboardInterrupt, GeneratorExit ... from the program
+        raise ProgramExited(f"{type(err).__name__}({getattr(err, 'code', '') if isinstance(err, SystemExit) else ''})") \
+            from None
+
+
+async def _contained_async(program: Callable[..., Any], task, url: str) -> Any:
+    """``await program(task, url)``, its BaseExceptions (other than cancellation) turned into :class:`ProgramExited`."""
+    try:
+        return await program(task, url)
+    except (Exception, asyncio.CancelledError):
+        raise
+    except BaseException as err:  # noqa: BLE001 - raised inside the task: asyncio would stop the loop with it
+        raise ProgramExited(f"{type(err).__name__}({getattr(err, 'code', '') if isinstance(err, SystemExit) else ''})") \
+            from None
+
+
 def _pool(size: int) -> concurrent.futures.ThreadPoolExecutor:
     if size not in _POOLS:
         _POOLS[size] = concurrent.futures.ThreadPoolExecutor(max_workers=size, thread_name_prefix="srpo-agent")
@@ -213,9 +242,9 @@ class OpenAIAgent(Workflow):
         stamp = attribution.CALLER.set(token)  # this task's context (and what it copies) calls as this episode
         try:
             if inspect.iscoroutinefunction(self._program):
-                return await asyncio.wait_for(self._program(task, url), self.timeout_s)
+                return await asyncio.wait_for(_contained_async(self._program, task, url), self.timeout_s)
             context = contextvars.copy_context()
-            work = loop.run_in_executor(_pool(self.max_threads), context.run, self._program, task, url)
+            work = loop.run_in_executor(_pool(self.max_threads), context.run, _contained, self._program, task, url)
             return await asyncio.wait_for(work, self.timeout_s)
         except asyncio.TimeoutError:
             backend.ctx.count("program_timeouts")

@@ -693,3 +693,20 @@ def test_the_documented_cases_where_inference_and_intent_differ():
     rec.record(_member("judge", "done"))
     assert _sets(rec.finish()) == [("to:judge", 0, ["checker", "w1", "w2"]),
                                    ("final", 0, ["judge", "mute", "router", "solver"])]
+
+
+@pytest.mark.parametrize("program", ["exits_on_one", "exits_on_one_async"])
+def test_a_thread_programs_sys_exit_or_keyboard_interrupt_costs_its_episode_only(program):
+    """isolation: thread — a program's sys.exit(3) and KeyboardInterrupt fail their own episodes,
+    counted as program errors; the others finish, and the run goes on (as under process isolation)."""
+    from srpo.policies.scripted import ScriptedPolicies
+    from srpo.workflows.builtins import build_workflow
+    from srpo.workflows.runtime import Runtime
+
+    agent = build_workflow("openai_agent", entry=f"{TEAMS}:{program}", roles=["solver"], isolation="thread")
+    runtime = Runtime(BuiltinEngine(ScriptedPolicies(_script, ["solver"])), agent.default_role_specs(), lambda t, a: 1.0)
+    results = runtime.run(agent, [(f"e{i}", TASKS[i]) for i in range(4)])
+    assert [bool(r.info.get("failed")) for r in results] == [True, True, False, False]
+    assert [r.info.get("program_errors", 0) for r in results] == [1, 1, 0, 0]
+    message = runtime.first_traceback["workflow"]
+    assert "SystemExit(3)" in message or "KeyboardInterrupt" in message

@@ -370,3 +370,22 @@ def reports_its_ssl_context(task, url):
     _KEPT_CLIENTS.append(client)
     _ask(client, "solver", task.question)
     return f"{id(client._client._transport._pool._ssl_context)} torch={'torch' in sys.modules}"
+
+
+def exits_on_one(task, url):
+    """sys.exit(3) on the first problem, KeyboardInterrupt on the second; answers the others."""
+    import sys
+
+    if task.question.startswith("What is 1 +"):
+        sys.exit(3)
+    if task.question.startswith("What is 2 +"):
+        raise KeyboardInterrupt
+    return single(task, url)
+
+
+async def exits_on_one_async(task, url):
+    if task.question.startswith("What is 1 +"):
+        raise SystemExit(3)
+    if task.question.startswith("What is 2 +"):
+        raise KeyboardInterrupt
+    return "4"
