@@ -60,7 +60,8 @@ def _train(args) -> int:
         print(trainer.failure_summary(), file=sys.stderr if trainer.totals["failed"] else sys.stdout)
         print(trainer.memory_summary())
         if code == 0:
-            print(f"done: {trainer.step} steps; metrics in {Path(cfg.run.output_dir) / 'metrics.jsonl'}")
+            print(f"done: {trainer.step} steps; metrics in {Path(cfg.run.output_dir) / 'metrics.jsonl'}"
+                  + _programs_left_running())
     return code
 
 
@@ -406,6 +407,16 @@ def _demo(args) -> int:
 
     run_demo(args.output_dir, args.steps)
     return 0
+
+
+def _programs_left_running() -> str:
+    """The closing line's note of thread-isolated programs that never returned (they do not keep
+    the process alive: daemon threads), or ''."""
+    import sys as _sys
+
+    module = _sys.modules.get("srpo.workflows.openai_agent")
+    left = module.programs_never_returned() if module is not None else 0
+    return f"; {left} agent program call(s) never returned (left behind in daemon threads)" if left else ""
 
 
 def _report(args) -> int:

@@ -21,6 +21,7 @@ logged), never the run.
 from __future__ import annotations
 
 import asyncio
+import threading
 import concurrent.futures
 import inspect
 import logging
@@ -41,7 +42,7 @@ from srpo.workflows.runtime import WorkflowError
 
 log = logging.getLogger(__name__)
 ROLE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
-_POOLS: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+_POOLS: dict[int, "DaemonThreadExecutor"] = {}
 
 
 def absolute_entry(entry: str) -> str:
@@ -90,9 +91,50 @@ async def _contained_async(program: Callable[..., Any], task, url: str) -> Any:
             from None
 
 
-def _pool(size: int) -> concurrent.futures.ThreadPoolExecutor:
+class DaemonThreadExecutor(concurrent.futures.Executor):
+    """At most ``max_workers`` calls at once, each in a daemon thread of its own: a program that
+    never returns holds its thread, not the process — a ThreadPoolExecutor's threads are joined at
+    interpreter exit, so one hung program kept a finished ``srpo train`` alive for ever.
+    :func:`programs_never_returned` counts the calls still running."""
+
+    def __init__(self, max_workers: int):
+        self._slots = threading.BoundedSemaphore(max_workers)
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._slots.acquire()
+
+        def run():
+            with _RUNNING_LOCK:
+                _RUNNING[0] += 1
+            try:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(*args, **kwargs))
+                    except BaseException as err:  # noqa: BLE001 - handed to the awaiting episode
+                        future.set_exception(err)
+            finally:
+                with _RUNNING_LOCK:
+                    _RUNNING[0] -= 1
+                self._slots.release()
+
+        threading.Thread(target=run, name="srpo-agent", daemon=True).start()
+        return future
+
+
+_RUNNING = [0]
+_RUNNING_LOCK = threading.Lock()
+
+
+def programs_never_returned() -> int:
+    """How many thread-isolated program calls are still running (timed out, never returned)."""
+    with _RUNNING_LOCK:
+        return _RUNNING[0]
+
+
+def _pool(size: int) -> DaemonThreadExecutor:
     if size not in _POOLS:
-        _POOLS[size] = concurrent.futures.ThreadPoolExecutor(max_workers=size, thread_name_prefix="srpo-agent")
+        _POOLS[size] = DaemonThreadExecutor(size)
     return _POOLS[size]
 
 

@@ -710,3 +710,28 @@ def test_a_thread_programs_sys_exit_or_keyboard_interrupt_costs_its_episode_only
     assert [r.info.get("program_errors", 0) for r in results] == [1, 1, 0, 0]
     message = runtime.first_traceback["workflow"]
     assert "SystemExit(3)" in message or "KeyboardInterrupt" in message
+
+
+def test_a_thread_program_that_never_returns_does_not_keep_the_process_alive(tmp_path):
+    """The episode times out, the step finishes, and the process ends at once (the program's thread
+    is a daemon), saying how many calls never returned."""
+    script = tmp_path / "one_step.py"
+    script.write_text(f"""
+import sys
+sys.path.insert(0, {str(HELPERS.parent)!r})
+from srpo.policies.scripted import ScriptedPolicies
+from srpo.rollout.builtin import BuiltinEngine
+from srpo.tasks.base import Task
+from srpo.workflows.builtins import build_workflow
+from srpo.workflows.runtime import Runtime
+from srpo.workflows.openai_agent import programs_never_returned
+agent = build_workflow("openai_agent", entry={str(TEAMS) + ':never_returns'!r}, roles=["solver"], isolation="thread",
+                       timeout_s=1.0)
+runtime = Runtime(BuiltinEngine(ScriptedPolicies(lambda r, p: "2", ["solver"])), agent.default_role_specs(), lambda t, a: 1.0)
+results = runtime.run(agent, [("e0", Task("t", "What is 1 + 1?", ("2",), "math"))])
+print("timeouts", results[0].info.get("program_timeouts"), "left", programs_never_returned(), flush=True)
+""")
+    # A process kept alive by the program's thread would sleep its hour: the timeout fails the test.
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "timeouts 1 left 1" in out.stdout

@@ -389,3 +389,10 @@ async def exits_on_one_async(task, url):
     if task.question.startswith("What is 2 +"):
         raise KeyboardInterrupt
     return "4"
+
+
+def never_returns(task, url):
+    """A program stuck for good (its episode times out; its thread never ends)."""
+    import time
+
+    time.sleep(3600)
