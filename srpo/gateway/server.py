@@ -42,7 +42,10 @@ SHUTDOWN_S = 5.0
 
 def _uvicorn_server(app, guard: serving.Guard, **kw):
     # A training step's requests wait for a batch: the body deadline is for the body only.
-    return serving.uvicorn_server(app, guard=guard, header_timeout_s=30.0, limit_concurrency=4096, **kw)
+    # The connection cap fits the descriptors the process has (raised to the hard limit first): a
+    # program opening a thousand idle connections gets 503s, not the run an OSError.
+    return serving.uvicorn_server(app, guard=guard, header_timeout_s=30.0,
+                                  limit_concurrency=serving.connection_cap(4096), **kw)
 
 
 def _require_server_libraries():

@@ -67,6 +67,35 @@ def json_depth(raw: bytes) -> int:
     return int(np.cumsum(steps).max())
 
 
+def raise_open_file_limit() -> int:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit (a server's connections, a
+    team's programs and srpo's files share it; the usual soft 1,024 is easily reached) and return
+    the soft limit now in force (-1: not known on this platform)."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX platform
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 16)
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        return target
+    except (ValueError, OSError):
+        return soft
+
+
+def connection_cap(wanted: int, reserve: int = 256) -> int:
+    """At most ``wanted`` concurrent connections, and never more than the descriptors left after
+    ``reserve`` for the process's own files: beyond the cap a server answers 503 (counted by
+    uvicorn) instead of failing on a descriptor it cannot open."""
+    limit = raise_open_file_limit()
+    if limit is None or limit < 0:
+        return wanted
+    return max(16, min(wanted, limit - reserve))
+
+
 def is_loopback(host: str) -> bool:
     """Whether a bind address is this machine only."""
     try:

@@ -735,3 +735,17 @@ print("timeouts", results[0].info.get("program_timeouts"), "left", programs_neve
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "timeouts 1 left 1" in out.stdout
+
+
+def test_the_connection_cap_fits_the_descriptors_the_process_has():
+    """Under a 1,024-descriptor limit (soft 256 at start): the soft limit is raised to the hard one,
+    and the gateway's connection cap stays below what is left for the process's own files (a run
+    hit 'Too many open files' from 1,000 idle connections before).  In a process of its own: a
+    lowered hard limit cannot be raised again."""
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (256, 1024)); "
+            "from srpo.runs import serving; cap = serving.connection_cap(4096); "
+            "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], cap)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    soft, cap = map(int, out.stdout.split())
+    assert soft == 1024 and cap == 1024 - 256
