@@ -358,8 +358,10 @@ def _serve(args) -> int:
         torch.set_num_threads(args.threads)
     team = build.team(cfg)
     if checkpoint is not None:
-        _load_checkpoint(team, checkpoint, args.model)
+        checkpoint = _load_checkpoint(team, checkpoint, args.model)
     engine = build.engine(cfg, team.policies)
+    loaded = (f"checkpoint {checkpoint.name} ({checkpoint})" if checkpoint is not None else
+              f"weights {cfg.model.init_from}" if cfg.model.init_from else f"model {cfg.model.name}")
     backend = ServeBackend(engine, team.policies, team.role_specs, autocast=build.autocast(cfg), seed=args.seed,
                            max_prompt_tokens=cfg.workflow.max_prompt_tokens, max_tokens=args.max_tokens or None,
                            max_queue=args.max_queue)
@@ -368,8 +370,8 @@ def _serve(args) -> int:
         limit = (f"max_tokens up to {args.max_tokens}" if args.max_tokens else
                  f"max_tokens up to the model's context ({backend.context} tokens with the prompt)" if backend.context
                  else "max_tokens as asked")
-        print(f"serving {', '.join(backend.roles)} ({args.model}) at http://{host}:{port}/v1 — {limit}; "
-              f"Ctrl-C stops", flush=True)
+        print(f"serving {', '.join(backend.roles)} ({args.model}: {loaded}; engine {cfg.rollout.engine}) at "
+              f"http://{host}:{port}/v1 — {limit}; Ctrl-C stops", flush=True)
         if cfg.rollout.engine == "vllm" and engine_dtype(cfg) == "float32":
             print("vLLM's engine runs in float32 (the model's dtype, as training needs); "
                   "--set rollout.dtype=bfloat16 serves in bf16, as `vllm serve` does", flush=True)

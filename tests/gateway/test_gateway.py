@@ -581,6 +581,7 @@ def test_a_trained_team_is_served_and_evaluated(tmp_path):
             said.append(line)
             assert line or proc.poll() is None, "srpo serve ended"
         url = re.search(r"(http://\S+/v1)", line).group(1)
+        assert "checkpoint step_" in line and "engine builtin" in line  # what is served, named
         assert "without its agent program" in "".join(said)  # the weights are served; the program never ran
         client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
         assert {m.id for m in client.models.list()} == {"worker_1", "worker_2", "worker_3", "aggregator"}
@@ -598,7 +599,8 @@ def test_a_trained_team_is_served_and_evaluated(tmp_path):
             assert isinstance(result.final_output, str)
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        code = proc.wait(timeout=30)
+    assert code in (0, -15), code  # SIGTERM: a clean stop, not an abort (134)
     out = subprocess.run([sys.executable, "-m", "srpo.apps.cli", "eval", "--model", str(run), "--data",
                           "synthetic_arithmetic:level=0:n=2:split=test", "-k", "1", "--trust-run-code"],
                          capture_output=True, text=True,
