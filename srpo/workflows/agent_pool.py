@@ -19,6 +19,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -65,6 +66,12 @@ class Worker:
         return self.process.poll() is None
 
     def kill(self) -> None:
+        """End the worker and every process its program started in its group (a helper server, a
+        ``Popen`` never waited for, a fork): the worker leads a session of its own."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError, OSError):
+            pass
         try:
             self.process.kill()
             self.process.wait(timeout=10)
@@ -132,8 +139,11 @@ class AgentPool:
         try:
             # The worker module is loaded by path: importing the package srpo.workflows would pull in
             # torch, and a worker needs none of it.
+            # A session (and process group) of its own: killing the worker kills what its program
+            # started, and the terminal's Ctrl-C reaches the trainer, which ends the workers itself.
             process = subprocess.Popen([self.python, "-c", _WORKER_BOOT, agent_worker.__file__, str(child.fileno())],
-                                       pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL)
+                                       pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL,
+                                       start_new_session=True)
         finally:
             child.close()
         conn = Connection(parent.detach())

@@ -751,3 +751,38 @@ def test_the_connection_cap_fits_the_descriptors_the_process_has():
     assert out.returncode == 0, out.stderr
     soft, cap = map(int, out.stdout.split())
     assert soft == 1024 and cap == 1024 - 256
+
+
+def test_a_programs_helper_processes_end_with_its_worker(tmp_path, monkeypatch):
+    """isolation: process — a program that starts a helper it never waits for: closing the pool
+    ends the helper too (the worker leads its own process group, killed whole)."""
+    import os
+
+    from srpo.policies.scripted import ScriptedPolicies
+    from srpo.workflows.builtins import build_workflow
+    from srpo.workflows.runtime import Runtime
+
+    pids = tmp_path / "pids"
+    monkeypatch.setenv("SRPO_TEST_PIDS", str(pids))
+    agent = build_workflow("openai_agent", entry=f"{TEAMS}:starts_a_helper", roles=["solver"], max_workers=1,
+                           env=["SRPO_TEST_PIDS"])
+    runtime = Runtime(BuiltinEngine(ScriptedPolicies(_script, ["solver"])), agent.default_role_specs(), lambda t, a: 1.0)
+    results = runtime.run(agent, [("e0", TASKS[0])])
+    assert not results[0].info.get("failed")
+    helper = int(pids.read_text().split()[0])
+    os.kill(helper, 0)  # running while its worker lives
+    agent._pool.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(helper, 0)
+        except ProcessLookupError:
+            break
+        try:  # reaped by init once killed; a zombie still answers kill(0) until then
+            if open(f"/proc/{helper}/stat").read().split()[2] == "Z":
+                break
+        except OSError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the helper {helper} outlived its worker")

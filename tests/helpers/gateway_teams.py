@@ -396,3 +396,16 @@ def never_returns(task, url):
     import time
 
     time.sleep(3600)
+
+
+def starts_a_helper(task, url):
+    """Starts a helper process it never waits for (a tool server, say) and writes its pid to the
+    file named by SRPO_TEST_PIDS, then answers."""
+    import os
+    import subprocess
+    import sys
+
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    with open(os.environ["SRPO_TEST_PIDS"], "a") as f:
+        f.write(f"{helper.pid}\n")
+    return single(task, url)
