@@ -420,6 +420,9 @@ class EvalConfig(Section):
     step (0: never).  Results go to metrics.jsonl as eval/<dataset>/avg@k ..., to the trackers and
     to ``srpo report``; the step with the best macro avg@k is checkpointed and named in
     checkpoints/best.json."""
+    at_start: bool = False
+    """With ``every``: also evaluate before the first step, logged as step 0 — the "before" row of
+    the held-out curve (a resumed run does not evaluate its start again)."""
 
 
 class RolloutConfig(Section):

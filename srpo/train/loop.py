@@ -484,6 +484,8 @@ class Trainer:
             state.claim_fresh(self.backend, self.run_dir, self.run_artefacts(), self.logger, self.overwrite)
             self.claimed = True
         history, saved_at, bar = [], None, None
+        if self.step == 0 and self.cfg.eval.at_start and self.eval_sets:
+            self.logger.log(0, self.evaluate_heldout())  # the "before" row (eval.at_start)
         if self.progress:
             from tqdm.auto import tqdm
 

@@ -736,3 +736,15 @@ def test_the_objective_imports_what_its_page_says():
     outside = {d for m, ds in deps.items() if m.startswith("srpo.objective") for d in ds
                if not d.startswith("srpo.objective")}
     assert outside <= {"srpo.registry", "srpo.config"}, outside
+
+
+def test_eval_at_start_logs_the_before_row_as_step_zero(tmp_path):
+    cfg = load_config(None, tiny(tmp_path, "run.steps=2", "eval.every=2", "eval.at_start=true", "eval.k=1", "eval.n=2",
+                                 "task.eval=[{source: synthetic_arithmetic, level: 0, n: 3, seed: 9, name: held}]",
+                                 "checkpoint.every=0"))
+    trainer = Trainer(cfg, progress=False, reward_fn=varied_reward)
+    trainer.fit()
+    trainer.close()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval/held/avg@1" in r] == [0, 2]
+    assert rows[0]["step"] == 0 and "reward" not in rows[0]  # the evaluation alone: no training step was taken
