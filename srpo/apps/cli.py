@@ -35,6 +35,8 @@ def _train(args) -> int:
 
     if args.resume and args.overwrite:
         raise UsageError("--resume continues the folder's run and --overwrite deletes it: choose one")
+    if args.config:
+        refuse_study_file(args.config, "srpo train")
     cfg = load_config(args.config, args.set)
     preemption.install(cfg.run.preempt_grace_s)
     _maybe_init_distributed(cfg.run.device, cfg.run.collective_timeout_s)
@@ -421,6 +423,35 @@ def _programs_left_running() -> str:
     return f"; {left} agent program call(s) never returned (left behind in daemon threads)" if left else ""
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: the line is made only when asked (it runs git)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_line())
+        parser.exit()
+
+
+def version_line() -> str:
+    """``srpo <version>``, with the commit when srpo runs from a git checkout (``+dirty`` with
+    uncommitted changes)."""
+    import subprocess
+
+    import srpo
+
+    root = Path(srpo.__file__).resolve().parents[1]
+    line = f"srpo {srpo.__version__}"
+    if not (root / ".git").exists():
+        return line
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=5, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
+                               text=True, timeout=5, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return line
+    return f"{line} (commit {head}{'+dirty' if dirty else ''})"
+
+
 def _report(args) -> int:
     from srpo.runs.metrics_log import read_metrics
     from srpo.apps.report import write_summary
@@ -505,6 +536,7 @@ def _config(args) -> int:
         return 0
     values = None
     if args.config:
+        refuse_study_file(args.config, "srpo config show")
         values = load_config(args.config, args.set).model_dump()
     for key, type_name, default, doc in describe_fields():
         line = f"{key}: {type_name} = {json.dumps(default, default=str)}"
@@ -518,6 +550,20 @@ def _config(args) -> int:
         if doc:
             print(f"    {doc}")
     return 0
+
+
+def refuse_study_file(path: str, command: str) -> None:
+    """A study file (``axes`` and ``seeds`` beside a ``base``) given where a run config is expected:
+    a usage error that names the command that takes it, not the schema's 'unknown key'."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text()) if Path(path).is_file() else None
+    except (OSError, yaml.YAMLError):
+        return  # the config loader says what is wrong with it
+    if isinstance(data, dict) and "axes" in data and "seeds" in data and "base" in data:
+        raise UsageError(f"{path} is a study file, not a run config: run it with srpo study --config {path} "
+                         f"({command} takes a run config such as its base, {data['base']})")
 
 
 def config_markdown() -> str:
@@ -544,6 +590,8 @@ def config_markdown() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="srpo", description="Setwise Relative Policy Optimization for multi-agent LLMs")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action=_VersionAction, nargs=0,
+                        help="print srpo's version (and the commit of a git checkout) and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run_commands(sub)
     _add_tool_commands(sub)

@@ -79,3 +79,24 @@ def test_ctrl_c_before_the_command_runs_prints_one_line_and_no_traceback(monkeyp
         signal.signal(signal.SIGINT, previous)
     assert done.value.code == 130
     assert capsys.readouterr().err == "interrupted\n"
+
+
+def test_version_names_the_release_and_the_commit(capsys):
+    from pathlib import Path
+
+    import srpo
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"srpo {srpo.__version__}")
+    assert "(commit " in line or not (Path(srpo.__file__).resolve().parents[1] / ".git").exists()
+
+
+def test_a_study_file_given_to_train_or_config_show_names_srpo_study(capsys):
+    for command in (["config", "show", "--config", "studies/o_set_clip/tuning.yaml"],
+                    ["train", "--config", "configs/studies/parts_team.yaml"]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert "is a study file, not a run config: run it with srpo study --config" in err
