@@ -185,6 +185,9 @@ def figure(table, path: Path, arms: tuple[str, ...] = ARMS, ks: tuple[int, ...] 
                     xs.append(k), means.append(mean), ses.append(se if se == se else 0.0)
             if xs:
                 ax.errorbar(xs, means, yerr=ses, marker="o", capsize=3, label=arm)
+        lows = [line.get_ydata().min() for line in ax.get_lines() if len(line.get_ydata())]
+        if lows and min(lows) < -2:  # a collapse far below the others' range: symlog keeps both readable
+            ax.set_yscale("symlog", linthresh=1.0)
         ax.set_xscale("log", base=2)
         ax.set_xticks(ks, [str(k) for k in ks])
         ax.set_xlabel("set size K")
