@@ -91,6 +91,10 @@ WORKER_ENV_NAMES = frozenset({
 WORKER_ENV_PREFIXES = ("LC_", "XDG_", "CONDA_", "OMP_", "MKL_")
 
 
+#: The environment variables a worker's clients read their base URL from.
+URL_VARIABLES = ("OPENAI_BASE_URL", "OPENAI_API_BASE")
+
+
 def worker_environment(environ, allow=(), base_url: str = "") -> dict[str, str]:
     """A worker's environment: the documented safe names of ``environ`` (:data:`WORKER_ENV_NAMES`,
     :data:`WORKER_ENV_PREFIXES`), the names in ``allow``, and the OpenAI client settings that
@@ -100,8 +104,12 @@ def worker_environment(environ, allow=(), base_url: str = "") -> dict[str, str]:
     env = {k: v for k, v in environ.items()
            if k in WORKER_ENV_NAMES or k.startswith(WORKER_ENV_PREFIXES) or k in allowed}
     # Clients configured from the environment (the openai package, LiteLLM, LangChain) reach
-    # this worker's URL, whatever the program does with base_url.
-    env.update({"OPENAI_BASE_URL": base_url, "OPENAI_API_BASE": base_url, "PYTHONUNBUFFERED": "1"})
+    # this worker's URL, whatever the program does with base_url.  With base_url '' the worker
+    # sets them itself from its init message (:data:`URL_VARIABLES`): a URL placed in the exec-time
+    # environment is readable in /proc/<pid>/environ by every process of the same user.
+    if base_url:
+        env.update({name: base_url for name in URL_VARIABLES})
+    env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("OPENAI_API_KEY", "srpo")  # a client needs some key; the gateway checks none
     env.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")  # the SDK would upload traces to OpenAI
     return env
@@ -135,7 +143,7 @@ class AgentPool:
         parent, child = socket.socketpair()
         token = self.gateway.reserve()
         url = self.gateway.url(token)
-        env = worker_environment(os.environ, self.env_names, url)
+        env = worker_environment(os.environ, self.env_names)  # the URL goes over the pipe, not the environment
         try:
             # The worker module is loaded by path: importing the package srpo.workflows would pull in
             # torch, and a worker needs none of it.
@@ -149,7 +157,8 @@ class AgentPool:
         conn = Connection(parent.detach())
         worker = Worker(process, conn, token, url)
         try:
-            conn.send(("init", self.entry, self._program_path(), os.getcwd(), str(Path(agent_worker.__file__).parents[1])))
+            conn.send(("init", self.entry, self._program_path(), os.getcwd(), str(Path(agent_worker.__file__).parents[1]),
+                       url))
             if not conn.poll(self.START_TIMEOUT_S):
                 raise WorkerStartError(f"a worker for {self.entry} did not load it within {self.START_TIMEOUT_S:g} s")
             reply = conn.recv()

@@ -15,7 +15,7 @@ This module imports nothing heavy (no torch): a worker costs the program's own i
 
 Protocol (pickled tuples over the socket, :class:`multiprocessing.connection.Connection`):
 
-- parent → ``("init", entry, sys_path, cwd, srpo_dir)``; worker → ``("ready",)`` or ``("failed", message)``;
+- parent → ``("init", entry, sys_path, cwd, srpo_dir, base_url)``; worker → ``("ready",)`` or ``("failed", message)``;
 - parent → ``("run", task, base_url)``; worker → ``("ok", result)`` or
   ``("raised", type_name, message, traceback_text)``.
 """
@@ -153,7 +153,10 @@ def main(fd: int) -> None:
         except (EOFError, OSError):  # the training process closed the pair (or died): done
             return
         if message[0] == "init":
-            _, entry, sys_path, cwd, srpo_dir = message
+            _, entry, sys_path, cwd, srpo_dir, base_url = message
+            # Set here, not in the exec-time environment: /proc/<pid>/environ keeps that block,
+            # readable by the user's other processes (a sibling worker among them).
+            os.environ.update({"OPENAI_BASE_URL": base_url, "OPENAI_API_BASE": base_url})
             sys.path[:] = list(dict.fromkeys(list(sys_path) + sys.path))
             os.chdir(cwd)
             _ensure_srpo_tasks(srpo_dir)

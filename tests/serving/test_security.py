@@ -596,3 +596,27 @@ def test_files_a_folder_names_stay_inside_it(planted, tmp_path, capsys):
     inside = run / "template.jinja"
     inside.write_text("x")
     assert files_outside({"model": {"chat_template": str(inside)}}, {"model": {"chat_template": str(inside)}}, run) == {}
+
+
+def test_a_workers_url_is_not_in_its_exec_environment_where_siblings_could_read_it():
+    """The token in a worker's base URL reaches it over its private pipe and is set inside the
+    process (OPENAI_BASE_URL for its clients): /proc/<pid>/environ — readable by the user's other
+    processes, a sibling worker among them — does not hold it."""
+    from srpo.policies.scripted import ScriptedPolicies
+    from srpo.rollout.builtin import BuiltinEngine
+    from srpo.tasks.kinds import task_kind
+    from srpo.tasks.math import synthetic_arithmetic
+    from srpo.workflows.builtins import build_workflow
+    from srpo.workflows.runtime import Runtime
+
+    agent = build_workflow("openai_agent", entry=f"{HELPERS / 'gateway_teams.py'}:configured_from_env",
+                           roles=["solver"], max_new_tokens=4, max_workers=1)
+    runtime = Runtime(BuiltinEngine(ScriptedPolicies(lambda role, prompt: "4", ["solver"])),
+                      agent.default_role_specs(), task_kind("math").grade)
+    (result,) = runtime.run(agent, [("e0", synthetic_arithmetic(1, level=0, seed=0)[0])])
+    assert not runtime.failures, runtime.first_traceback  # its env-configured client reached its episode
+    (worker,) = agent._pool._idle
+    token = worker.url.split("/e/")[1].split("/")[0]
+    environ = Path(f"/proc/{worker.process.pid}/environ").read_bytes()
+    assert token.encode() not in environ and b"OPENAI_BASE_URL" not in environ
+    agent._pool.close()
