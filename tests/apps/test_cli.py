@@ -100,3 +100,10 @@ def test_a_study_file_given_to_train_or_config_show_names_srpo_study(capsys):
         assert main(command) == 2
         err = capsys.readouterr().err
         assert "is a study file, not a run config: run it with srpo study --config" in err
+
+
+def test_study_list_prints_the_cells_without_running_them(capsys):
+    assert main(["study", "--config", "studies/n_reread/tuning.yaml", "--list"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("studies/n_reread/tuning.yaml: 30 cells, 6 labels")
+    assert len(out) == 7 and "srpo-lr5e-5: seeds 100, 101, 102, 103, 104" in out[1]

@@ -21,10 +21,39 @@ def add_study_parser(sub) -> None:
                         "rewrite it as strict JSON and print the tables (runs nothing)")
     p.add_argument("--summarize", action="store_true",
                    help="only rewrite results.md/json/png from the cells already finished (runs nothing)")
+    p.add_argument("--list", action="store_true",
+                   help="print the cells the study would run, each with its seeds and overrides, and which are "
+                        "finished (runs nothing)")
     p.set_defaults(func=_study)
 
 
+def list_cells(path: str) -> str:
+    """The study's cells, one line per cell label: its seeds, how many are finished on disk, and the
+    overrides it applies (after the study's own)."""
+    from pathlib import Path
+
+    from srpo.apps.study.runner import finished_cell
+    from srpo.apps.study.schema import cells, load_study
+
+    spec = load_study(path)
+    root = Path(spec["output_dir"])
+    by_label: dict[str, list[dict]] = {}
+    for cell in cells(spec):
+        by_label.setdefault(cell["label"], []).append(cell)
+    lines = [f"{path}: {sum(len(v) for v in by_label.values())} cells, {len(by_label)} labels, output {root}"]
+    for label, group in by_label.items():
+        done = sum(1 for c in group if (root / c["label"] / f"seed{c['seed']}" / "cell.json").is_file()
+                   and finished_cell(spec, c, root) is not None)
+        own = {k: v for k, v in group[0]["overrides"].items()
+               if k != "run.seed" and (spec.get("overrides") or {}).get(k) != v}
+        lines.append(f"  {label}: seeds {', '.join(str(c['seed']) for c in group)} ({done} finished); {own}")
+    return "\n".join(lines)
+
+
 def _study(args) -> int:
+    if args.list:
+        print(list_cells(args.config))
+        return 0
     if args.restate:
         print(restate_results(args.config, args.restate))
         return 0
