@@ -177,10 +177,13 @@ def _check_hub_id(name: str) -> None:
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
     known = f"registered names: {', '.join(registered_names())}; or pass a local folder with config.json"
+    fetch = (f"to use it offline, fetch it once on a machine with network (`huggingface-cli download {name}`), copy "
+             f"the Hugging Face cache (~/.cache/huggingface) here and set HF_HUB_OFFLINE=1")
     if isinstance(try_to_load_from_cache(name, "config.json"), str):
         return  # in the local Hugging Face cache: loads offline
     if constants.HF_HUB_OFFLINE:
-        raise ModelLoadError(f"{name!r} is not in the Hugging Face cache and HF_HUB_OFFLINE is set; {known}")
+        raise ModelLoadError(f"{name!r} is a hub id not in the Hugging Face cache, and HF_HUB_OFFLINE is set: {fetch}; "
+                             f"{known}")
     try:
         model_info(name, timeout=10)
     except (RepositoryNotFoundError, GatedRepoError) as err:
@@ -188,7 +191,8 @@ def _check_hub_id(name: str) -> None:
         raise ModelLoadError(f"model {name!r} {what} on the Hugging Face hub; {known}") from None
     except Exception as err:  # connection refused, DNS, timeout, proxy: the hub cannot be reached
         raise ModelLoadError(f"{name!r} is not a registered model or a local folder, and the Hugging Face hub "
-                             f"cannot be reached to find it ({err.__class__.__name__}: {str(err)[:120]}); {known}") from None
+                             f"cannot be reached to find it ({err.__class__.__name__}: {str(err)[:120]}); {fetch}; "
+                             f"{known}") from None
 
 
 def load_model(
@@ -223,7 +227,10 @@ def load_model(
             path: str | Path = converted_checkpoint(name_or_path)
         else:
             path = name_or_path
-            looks_local = os.path.sep in name_or_path or name_or_path.startswith(".") or os.path.exists(name_or_path)
+            # ``org/name`` (one slash, not a path that exists) is a hub id, as transformers reads it.
+            hub_like = name_or_path.count("/") == 1 and not name_or_path.startswith(("/", ".", "~"))
+            looks_local = os.path.exists(name_or_path) or (not hub_like and (os.path.sep in name_or_path
+                                                                             or name_or_path.startswith(".")))
             if looks_local and not os.path.isdir(name_or_path):
                 raise ModelLoadError(
                     f"no model folder at {name_or_path!r}; registered names: {', '.join(registered_names())}"
@@ -236,8 +243,17 @@ def load_model(
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **pin)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, **pin)
         except OSError as err:
+            first = str(err).splitlines()[0] if str(err) else err.__class__.__name__
+            if hub:  # a hub id the hub did not give: offline, unknown, gated, or a mistyped local folder
+                raise ModelLoadError(
+                    f"could not load the hub model {name_or_path!r} ({first}). If this machine has no network, fetch it "
+                    f"once where there is (`huggingface-cli download {name_or_path}`, or python -c \"from huggingface_hub "
+                    f"import snapshot_download; snapshot_download('{name_or_path}')\"), copy the cache "
+                    f"(~/.cache/huggingface) here and set HF_HUB_OFFLINE=1; if you meant a local folder, no folder "
+                    f"{name_or_path!r} exists here. Registered names: {', '.join(registered_names())}"
+                ) from err
             raise ModelLoadError(
-                f"could not load {name_or_path!r} ({err.__class__.__name__}: {str(err).splitlines()[0]}); "
+                f"could not load {name_or_path!r} ({err.__class__.__name__}: {first}); "
                 f"pass a local folder with config.json, a reachable hub id, or one of: {', '.join(registered_names())}"
             ) from err
     if tokenizer.pad_token is None:

@@ -805,3 +805,16 @@ def test_a_checkpointed_layer_builds_its_cache_from_the_config_unless_the_layer_
 
     assert _is_plain_dynamic_layer(DynamicLayer())
     assert not _is_plain_dynamic_layer(DynamicSlidingWindowLayer(sliding_window=4))
+
+
+def test_a_hub_id_that_cannot_be_fetched_says_it_is_one_and_how_to_prefetch(monkeypatch):
+    """``org/name`` is read as a hub id (not 'no model folder'); offline, the message says how to
+    fetch it once elsewhere and run with HF_HUB_OFFLINE=1."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelLoadError) as err:
+        load_model("SomeOrg/not-cached-model-0.1B")
+    text = str(err.value)
+    assert "hub id" in text and "huggingface-cli download SomeOrg/not-cached-model-0.1B" in text
+    assert "HF_HUB_OFFLINE=1" in text and "no model folder" not in text
