@@ -620,3 +620,41 @@ def test_a_workers_url_is_not_in_its_exec_environment_where_siblings_could_read_
     environ = Path(f"/proc/{worker.process.pid}/environ").read_bytes()
     assert token.encode() not in environ and b"OPENAI_BASE_URL" not in environ
     agent._pool.close()
+
+
+def _code_fields() -> list[str]:
+    """The fields of docs/security.md's table "Every field that can name code"."""
+    text = (ROOT / "docs" / "security.md").read_text().split("## Every field that can name code", 1)[1].split("\n## ", 1)[0]
+    return [m.group(1) for m in re.finditer(r"^\| `([^`]+)` \|", text, re.M)]
+
+
+@pytest.mark.parametrize("field", _code_fields())
+def test_every_field_in_the_security_table_refuses_hostile_spellings_without_importing(field, tmp_path, monkeypatch):
+    """Through docs/security.md's table: a non-strict spelling in a registry field is a config error
+    naming the field and the rule, and nothing is imported; a strict import path in any of them —
+    programs included — is what the trust check flags in a folder's config."""
+    import copy
+
+    from srpo.build import config_from_dict
+    from srpo.config import ConfigError, apply_overrides
+    from srpo.runs.trust import code_named
+
+    marker = tmp_path / "MARKER"
+    (tmp_path / "evil-x.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    dotted = field.replace("<role>", "solver").removesuffix("[]")
+    listed = field.endswith("[]")
+    programs = {"workflow.options.entry", "workflow.options.python", "sft.script"}
+    if dotted not in programs:
+        data = copy.deepcopy({"model": {"name": "tiny-llama"}, "task": {"train": {"source": "synthetic_arithmetic", "n": 4}}})
+        apply_overrides(data, {dotted: ["evil-x:Team"] if listed else "evil-x:Team"})
+        with pytest.raises(ConfigError, match=re.escape(dotted)):
+            config_from_dict(data)
+        assert not marker.exists()
+    saved: dict = {}
+    node = saved
+    *parents, last = dotted.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[last] = ["evilpkg.mod:Team"] if listed else "evilpkg.mod:Team"
+    assert any(key.startswith(dotted) for key in code_named(saved)), (field, code_named(saved))
