@@ -383,13 +383,16 @@ def _check_source(path: str, src: DataSource, kind_name: str) -> None:
             raise ConfigError(f"{path}.source: {src.source!r} must be .jsonl or .parquet")
 
 
-def check(cfg: Config, *, training: bool = True) -> Config:
+def check(cfg: Config, *, training: bool = True, packages: bool = True) -> Config:
     """The checks of a parsed config that need the registries, the installed packages or the file
     system; raise :class:`~srpo.config.ConfigError` naming the field.  ``training=False`` (``srpo
-    eval``) skips the training data source."""
+    eval``) skips the training data source; ``packages=False`` (``srpo config show``: a config
+    inspected on a machine that will not run it) skips the optional packages' check —
+    :func:`skipped_package_check` says what it would have found."""
     kind_ = _check_registered(cfg)
     _check_capabilities(cfg)
-    _check_installed(cfg)
+    if packages:
+        _check_installed(cfg)
     _check_workflow(cfg, kind_.name)
     sources = [("task.train", cfg.task.train)] if training else []
     sources += [(f"task.eval[{i}]", src) for i, src in enumerate(cfg.task.eval)]
@@ -400,16 +403,25 @@ def check(cfg: Config, *, training: bool = True) -> Config:
     return cfg
 
 
-def config_from_dict(data: dict, *, training: bool = True) -> Config:
+def config_from_dict(data: dict, *, training: bool = True, packages: bool = True) -> Config:
     """A :class:`~srpo.config.Config` from a plain dict, parsed by the schema and checked against the
     registries (:func:`check`).  ``training=False`` (``srpo eval``) skips the training data source."""
-    return check(parse_config(data), training=training)
+    return check(parse_config(data), training=training, packages=packages)
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+def load_config(path: str | Path | None, overrides: list[str] | None = None, *, packages: bool = True) -> Config:
     """A YAML config (``include:`` resolved), ``key=value`` overrides applied, parsed and checked."""
     data = read_yaml(path) if path is not None else {}
-    return config_from_dict(apply_overrides(data, overrides or []))
+    return config_from_dict(apply_overrides(data, overrides or []), packages=packages)
+
+
+def skipped_package_check(cfg: Config) -> str | None:
+    """What the optional packages' check would refuse here (an engine or tracker not installed), or None."""
+    try:
+        _check_installed(cfg)
+    except ConfigError as err:
+        return str(err)
+    return None
 
 
 # ---------------------------------------------------------------------------------- training parts

@@ -536,8 +536,14 @@ def _config(args) -> int:
         return 0
     values = None
     if args.config:
+        from srpo.build import skipped_package_check
+
         refuse_study_file(args.config, "srpo config show")
-        values = load_config(args.config, args.set).model_dump()
+        cfg = load_config(args.config, args.set, packages=False)  # inspected here, run elsewhere
+        values = cfg.model_dump()
+        skipped = skipped_package_check(cfg)
+        if skipped:
+            print(f"# skipped here, checked when it runs: {skipped}", file=sys.stderr)
     for key, type_name, default, doc in describe_fields():
         line = f"{key}: {type_name} = {json.dumps(default, default=str)}"
         if values is not None and "[]" not in key and "<name>" not in key:
