@@ -116,6 +116,22 @@ def context_length(policies) -> int | None:
     return None
 
 
+def offered_calls(calls: list[dict[str, Any]], offered_tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The calls to tools the request offered; a call to any other name is dropped (and logged once):
+    a client must never be asked to run a function it did not offer.  The model's tokens are kept
+    for training whatever the client sees."""
+    names = {(t.get("function") or t).get("name") for t in offered_tools}
+    kept = [c for c in calls if c["function"]["name"] in names]
+    if len(kept) != len(calls) and not _DROPPED_WARNED:
+        _DROPPED_WARNED.append(True)
+        log.warning("a reply called a tool that was not offered (%s): the call is not passed on",
+                    ", ".join(sorted({c["function"]["name"] for c in calls} - names)))
+    return kept
+
+
+_DROPPED_WARNED: list[bool] = []
+
+
 def choice(sample: Sample, params: SamplingParams, req: CompletionRequest, rendered: Rendered,
            tokenizer=None, reasoning_parser: str | None = None) -> Choice:
     """An OpenAI choice from a sample: the stop string that ended it removed, as OpenAI does, the
@@ -136,6 +152,7 @@ def choice(sample: Sample, params: SamplingParams, req: CompletionRequest, rende
     calls: list[dict[str, Any]] = []
     if req.tools and req.tool_choice != "none":
         text, calls = tools.parse_tool_calls(rendered.forced + text, rendered.tool_format, tokenizer)
+        calls = offered_calls(calls, req.tools)
     finish = "tool_calls" if calls else FINISH_REASONS.get(sample.finish_reason, "stop")
     return Choice(text=text, finish_reason=finish, completion_tokens=len(sample.completion_ids), tool_calls=calls,
                   stop_sequence=matched, reasoning=reasoning or None)

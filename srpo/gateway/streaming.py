@@ -178,7 +178,13 @@ def _tool_reader(req: CompletionRequest, backend):
     parser = TOOL_PARSERS[name]
     if parser.incremental is None or req.anthropic:
         return None
-    return parser.incremental, tools.forced_prefix(name, req.tool_choice)
+    offered = {(t.get("function") or t).get("name") for t in req.tools or []}
+
+    def read(text: str, done: bool) -> Reading:  # a call to a tool not offered is never streamed
+        content, calls = parser.incremental(text, done)
+        return content, [(n, args) for n, args in calls if n in offered]
+
+    return read, tools.forced_prefix(name, req.tool_choice)
 
 
 def streams_tokens(req: CompletionRequest, backend) -> bool:

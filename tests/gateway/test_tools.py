@@ -452,3 +452,21 @@ def test_malformed_tool_blocks_in_an_anthropic_request_are_a_400_naming_the_fiel
     with pytest.raises(ProtocolError) as err:
         parse_messages_request({"model": "s", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}, turn]})
     assert err.value.status == 400 and err.value.param == field
+
+
+def test_a_call_to_a_tool_that_was_not_offered_never_reaches_the_client():
+    """A reply that calls `sum` when only `weather` and `search` were offered: the call is not passed
+    on (and finish_reason is not tool_calls); the offered call beside it is."""
+    from srpo.gateway.backends import choice
+    from srpo.types import Sample, SamplingParams
+
+    tok = byte_tokenizer()
+    req = _request()
+    rendered = render(tok, req)
+    reply = ('<tool_call>\n{"name": "sum", "arguments": {"a": 1}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "weather", "arguments": {"city": "Rome"}}\n</tool_call>')
+    c = choice(Sample([1], reply, [0.0], "eos"), SamplingParams(), req, rendered, tok)
+    assert [t["function"]["name"] for t in c.tool_calls] == ["weather"] and c.finish_reason == "tool_calls"
+    only_unknown = '<tool_call>\n{"name": "sum", "arguments": {"a": 1}}\n</tool_call>'
+    c = choice(Sample([1], only_unknown, [0.0], "eos"), SamplingParams(), req, rendered, tok)
+    assert c.tool_calls == [] and c.finish_reason != "tool_calls"
