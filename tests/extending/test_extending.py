@@ -135,11 +135,15 @@ def test_recipe_a_tool_and_a_reasoning_parser_read_a_roles_replies(mypkg, tmp_pa
     try:
         client = openai.OpenAI(base_url=gw.url(gw.open(backend)), api_key="x", max_retries=0)
         tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+        clock = {"type": "function", "function": {"name": "time", "parameters": {"type": "object"}}}
         message = client.chat.completions.create(model="solver", messages=[{"role": "user", "content": "Weather?"}],
-                                                 tools=[tool]).choices[0].message
+                                                 tools=[tool, clock]).choices[0].message
         assert message.content == "Let me check." and message.model_extra["reasoning_content"] == "Paris is a city."
         assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
             ("weather", {"city": "Paris"}), ("time", {"zone": "CET"})]
+        only_weather = client.chat.completions.create(model="solver", messages=[{"role": "user", "content": "?"}],
+                                                      tools=[tool]).choices[0].message
+        assert [c.function.name for c in only_weather.tool_calls] == ["weather"]  # time was not offered: not passed on
         forced = client.chat.completions.create(model="solver", messages=[{"role": "user", "content": "?"}],
                                                 tools=[tool], tool_choice="required")
         assert forced.choices[0].finish_reason == "tool_calls"  # the parser's start was written for the model
